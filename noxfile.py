@@ -1,0 +1,74 @@
+"""Sessions for the meshlift monorepo. ``python -m nox -l`` lists them.
+
+    python -m nox -s tests        # everything CI runs (the default)
+    python -m nox -s tests-core   # one package's unit tests; also: nox -t core
+    python -m nox -s tests-jit -- -k donate -x   # arguments after -- go to pytest
+    python -m nox -s lint bench demo
+
+Every session installs into a fresh venv with the pins in constraints.txt.
+"""
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+
+# The backend distributions under plugins/. Adding a backend is one entry here:
+# its package is installed in every session and it gets a `tests-<name>` session.
+BACKENDS = ["jit"]
+
+PACKAGES = {"core": "packages/meshlift"} | {b: f"plugins/meshlift-{b}" for b in BACKENDS}
+
+# Eight simulated CPU devices, so 2x4 meshes run on any machine.
+XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+def install(session: nox.Session, *extra: str) -> None:
+    """Install every meshlift package (editable) plus ``extra``, pinned by constraints.txt."""
+    editables = [arg for path in PACKAGES.values() for arg in ("-e", path)]
+    session.install("-c", "constraints.txt", *editables, *extra)
+
+
+def run_pytest(session: nox.Session, *paths: str) -> None:
+    install(session, "pytest")
+    session.run("pytest", *paths, *session.posargs, env=XLA_ENV)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Everything CI runs: every package's unit tests and the integration suite."""
+    run_pytest(session, *(f"{path}/tests" for path in PACKAGES.values()), "integration_tests")
+
+
+def package_tests(name: str, path: str) -> None:
+    def run(session: nox.Session) -> None:
+        run_pytest(session, f"{path}/tests")
+
+    run.__doc__ = f"Unit tests of {path}."
+    nox.session(run, name=f"tests-{name}", tags=[name])
+
+
+for _name, _path in PACKAGES.items():
+    package_tests(_name, _path)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Dispatch-overhead benchmark: python benchmarks/dispatch.py [posargs]."""
+    install(session)
+    session.run("python", "benchmarks/dispatch.py", *session.posargs, env=XLA_ENV)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's demo: meshlift demo [posargs]."""
+    install(session)
+    session.run("meshlift", "demo", *session.posargs, env=XLA_ENV)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    session.install("-c", "constraints.txt", "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

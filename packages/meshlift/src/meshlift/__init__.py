@@ -1,0 +1,65 @@
+"""meshlift: lift JAX's SPMD transforms over stateful models.
+
+Example::
+
+    import meshlift as ml
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    step = ml.jit(train_step, in_shardings=(plan, P("data")), mesh=mesh)
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from meshlift import plugins
+from meshlift.backend import Backend, StageSpec
+from meshlift.graph import StructureChangedError
+from meshlift.hookspecs import hookimpl
+from meshlift.lift import Compiled, Lifted, Lowered, Traced, transform
+from meshlift.mesh import current_mesh, make_mesh, use_mesh
+from meshlift.plugins import BackendNotFoundError, backends, get_backend
+from meshlift.sharding import PlanError, StateSharding, path_endswith
+
+try:
+    __version__ = version("meshlift")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0+unknown"
+
+
+def jit(fun: Any = None, /, **kwargs: Any) -> Any:
+    """``jax.jit`` lifted over stateful models; needs the ``meshlift-jit`` backend.
+
+    Takes every ``jax.jit`` option plus ``mesh=``; see ``meshlift_jit.jit``.
+
+    Example::
+
+        step = ml.jit(train_step, in_shardings=(plan, P("data")), mesh=mesh)
+    """
+    return get_backend("jit").frontend(fun, **kwargs)
+
+
+__all__ = [
+    "Backend",
+    "BackendNotFoundError",
+    "Compiled",
+    "Lifted",
+    "Lowered",
+    "PlanError",
+    "StageSpec",
+    "StateSharding",
+    "StructureChangedError",
+    "Traced",
+    "__version__",
+    "backends",
+    "current_mesh",
+    "get_backend",
+    "hookimpl",
+    "jit",
+    "make_mesh",
+    "path_endswith",
+    "plugins",
+    "transform",
+    "use_mesh",
+]

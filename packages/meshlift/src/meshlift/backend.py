@@ -1,0 +1,68 @@
+"""The backend object: what a plugin hands to meshlift.
+
+A backend maps meshlift's unified arguments onto one JAX transform. The core
+does all graph work and spec resolution; a backend only sees a pure function
+over pytrees of arrays and leaf-level specs, and returns JAX's staged callable
+(something with ``__call__``, ``lower``, ``trace`` and ``eval_shape``, such as
+the result of ``jax.jit``).
+
+Example::
+
+    import jax
+    import meshlift as ml
+
+    def stage(fn, spec: ml.StageSpec):
+        return jax.jit(fn, in_shardings=spec.in_specs,
+                       out_shardings=spec.out_specs,
+                       donate_argnums=spec.donate_argnums)
+
+    backend = ml.Backend(name="my-jit", stage=stage)
+    f = ml.transform(backend, lambda x: x * 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class StageSpec:
+    """Everything a backend needs to stage a pure function.
+
+    ``in_specs`` has one entry per positional argument of the pure function,
+    each a pytree prefix of that argument whose leaves are
+    ``jax.sharding.NamedSharding``, ``PartitionSpec`` or ``None``
+    (unspecified). ``out_specs`` is a pytree prefix of the output in the same
+    terms. Bare ``PartitionSpec`` leaves only appear when ``mesh`` is set.
+    """
+
+    in_specs: tuple[Any, ...]
+    out_specs: Any
+    mesh: Any = None
+    donate_argnums: tuple[int, ...] = ()
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class Backend:
+    """A transform backend, registered by a plugin or passed as an object.
+
+    ``stage(fn, spec)`` returns the JAX-level staged callable for the pure
+    function ``fn``. ``frontend``, if given, is the user-facing wrapper with
+    the transform's own argument names (``ml.jit`` for the jit backend);
+    ``unify``, if given, maps those names onto the unified ones used by
+    ``ml.transform`` (``in_specs``, ``out_specs``, ``mesh``...).
+    ``capabilities`` are free-form strings the integration suite reads to
+    decide which cases a backend declares it cannot run.
+    """
+
+    name: str
+    stage: Callable[[Callable[..., Any], StageSpec], Any]
+    frontend: Callable[..., Any] | None = None
+    version: str = "0"
+    distribution: str | None = None
+    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    description: str = ""

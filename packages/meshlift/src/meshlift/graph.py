@@ -1,0 +1,228 @@
+"""Split and merge: NNX graph nodes in an argument tree <-> a flat tuple of arrays.
+
+``GraphSplit`` flattens the graph nodes of a call's arguments once and keeps
+that plan while their structure is unchanged. Per call it only gathers the
+arrays out of the ``Variable`` objects and scatters new ones back, which is
+what makes a lifted call cost about as much as ``jax.jit`` over a list of
+arrays. Inside the traced function, ``rebuild`` makes fresh objects around the
+tracers, so the user's function sees ordinary modules.
+
+Example::
+
+    split = GraphSplit((model, optimizer))
+    arrays = split.gather()                 # one array per Variable, shared ones once
+    assert split.unchanged()                # cheap: identity checks only
+    split.scatter(range(len(arrays)), arrays)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import types
+from collections.abc import Hashable, Iterable, Sequence
+from itertools import chain
+from typing import Any
+
+import flax
+from flax import nnx
+from flax.nnx import graphlib
+
+from meshlift.sharding import format_path
+
+# The fast path reads and writes the slot where flax keeps a Variable's array,
+# skipping get_value()'s copy and hooks. It is pinned to the flax versions it
+# was tested on; any other version goes through the public API.
+FAST_PATH_FLAX_VERSIONS = frozenset({"0.12.8"})
+_read_raw = operator.attrgetter("_raw_value")
+_write_raw = nnx.Variable._raw_value.__set__  # type: ignore[attr-defined]
+
+
+def is_graph_leaf(x: Any) -> bool:
+    """True for what split/merge handles: NNX graph nodes (modules, optimizers, Rngs) and Variables."""
+    return isinstance(x, nnx.Variable) or type(x) in graphlib.GRAPH_REGISTRY
+
+
+class StructureChangedError(RuntimeError):
+    """The lifted function changed the structure of a module it was given."""
+
+
+class GraphSplit:
+    """The flat view of a tuple of graph nodes: their Variables in a fixed order.
+
+    Shared Variables appear once. ``key`` is a structural fingerprint of the
+    nodes (types, static attributes, Variable metadata) that does not depend on
+    object identity, so two models of the same structure share compiled code.
+    """
+
+    def __init__(self, nodes: tuple[Any, ...]):
+        self.nodes = nodes
+        self._ref_index = graphlib.RefMap()
+        self.graphdef, flat = nnx.graph.flatten(nodes, ref_index=self._ref_index)
+        self.paths: tuple[tuple[Hashable, ...], ...] = tuple(flat.paths)
+        self.variables: tuple[Any, ...] = tuple(flat.leaves)
+        self.key = fingerprint(self.graphdef)
+        self.fast = flax.__version__ in FAST_PATH_FLAX_VERSIONS and all(
+            isinstance(v, nnx.Variable) and not v.hijax and not v.ref for v in self.variables
+        )
+        self._dicts, self._lists = _mutable_containers(nodes)
+        self._snapshot = self._contents()
+
+    # -- per call ---------------------------------------------------------
+    def unchanged(self) -> bool:
+        """True if no attribute of any node was added, removed or replaced since the split."""
+        current = self._contents()
+        return len(current) == len(self._snapshot) and all(
+            map(operator.is_, current, self._snapshot)
+        )
+
+    def gather(self) -> tuple[Any, ...]:
+        """The current array of every Variable, in split order."""
+        if self.fast:
+            return tuple(map(_read_raw, self.variables))
+        return tuple(nnx.graph.flatten(self.nodes, with_paths=False)[1])
+
+    def scatter(self, indices: Iterable[int], values: Sequence[Any]) -> None:
+        """Write ``values[i]`` into Variable ``i`` for each index."""
+        if self.fast:
+            variables = self.variables
+            for i in indices:
+                _write_raw(variables[i], values[i])
+            return
+        for i in indices:
+            leaf = self.variables[i]
+            if isinstance(leaf, nnx.Variable):
+                leaf.set_raw_value(values[i])
+            else:
+                raise StructureChangedError(
+                    f"cannot write back `{format_path(self.paths[i])}`: it is an array stored "
+                    f"directly on a module; wrap it in an nnx.Variable"
+                )
+
+    def index_map(self) -> graphlib.IndexMap:
+        """Graph index -> the caller's node, to resolve outputs that reference inputs."""
+        return graphlib.IndexMap({index: node for node, index in self._ref_index.items()})
+
+    # -- inside a trace -----------------------------------------------------
+    def rebuild(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        """Fresh nodes of the same structure holding ``values`` (tracers, inside a trace)."""
+        return nnx.graph.unflatten(self.graphdef, list(values))
+
+    def describe_change(self, before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+        """What differs between two rebuilt node tuples, by path; for error messages."""
+        old, new = _leaf_fingerprints(before), _leaf_fingerprints(after)
+        lines = [f"added `{format_path(p)}`" for p in new.keys() - old.keys()]
+        lines += [f"removed `{format_path(p)}`" for p in old.keys() - new.keys()]
+        lines += [
+            f"changed `{format_path(p)}`"
+            for p in old.keys() & new.keys()
+            if old[p] != new[p]
+        ]
+        return "; ".join(sorted(lines)) or "the node types or Variable metadata changed"
+
+    def _contents(self) -> list[Any]:
+        dicts = self._dicts
+        current = list(chain.from_iterable(dicts))
+        current += chain.from_iterable(map(dict.values, dicts))
+        current += chain.from_iterable(self._lists)
+        return current
+
+
+def _mutable_containers(nodes: Any) -> tuple[list[dict[Any, Any]], list[list[Any]]]:
+    """The dicts and lists that hold the structure of ``nodes`` (what a user can mutate)."""
+    dicts: list[dict[Any, Any]] = []
+    lists: list[list[Any]] = []
+
+    def watch(container: Any) -> None:
+        if type(container) is dict:
+            dicts.append(container)
+        elif type(container) is list:
+            lists.append(container)
+
+    for _, node in nnx.graph.iter_graph(nodes):
+        if isinstance(node, nnx.Variable) or not graphlib.is_node(node):
+            continue
+        watch(node)
+        attributes = getattr(node, "__dict__", None)
+        if attributes is not None:
+            dicts.append(attributes)
+            for value in attributes.values():
+                watch(value)  # e.g. nnx.State keeps its entries in a plain dict
+    return dicts, lists
+
+
+def _leaf_fingerprints(nodes: Any) -> dict[tuple[Hashable, ...], Any]:
+    return {
+        path: fingerprint(type(value) if isinstance(value, nnx.Variable) else value)
+        for path, value in nnx.graph.iter_graph(nodes)
+        if not graphlib.is_node(value) and not hasattr(value, "shape")
+    }
+
+
+class _Identity:
+    """Compares by identity; keeps its object alive so the id is never reused."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+_ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type)
+
+
+def fingerprint(x: Any) -> Hashable:
+    """A hashable key equal for structurally equal objects, independent of identity.
+
+    Functions compare by code and closed-over values, so ``optax.adam(1e-3)``
+    made twice gives the same key; objects without a structural reading fall
+    back to their own ``==`` if hashable, else to identity.
+
+    Example::
+
+        assert fingerprint(optax.adam(1e-3)) == fingerprint(optax.adam(1e-3))
+        assert fingerprint(optax.adam(1e-3)) != fingerprint(optax.adam(1e-2))
+    """
+    return _fingerprint(x, set())
+
+
+def _fingerprint(x: Any, active: set[int]) -> Hashable:
+    if isinstance(x, _ATOMS):
+        return (type(x), x)
+    if id(x) in active:  # a cycle, e.g. a recursive closure
+        return ("cycle", type(x))
+    active.add(id(x))
+    try:
+        return _fingerprint_compound(x, active)
+    finally:
+        active.discard(id(x))
+
+
+def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
+    fp = functools.partial(_fingerprint, active=active)
+    if isinstance(x, list | tuple):
+        return (type(x), tuple(map(fp, x)))
+    if isinstance(x, dict) or (isinstance(x, graphlib.HashableMapping)):
+        return (type(x), tuple((fp(k), fp(v)) for k, v in x.items()))
+    if isinstance(x, types.FunctionType):
+        cells = tuple(fp(c.cell_contents) for c in x.__closure__ or ())
+        return (types.FunctionType, x.__code__, cells, fp(x.__defaults__), fp(x.__kwdefaults__))
+    if isinstance(x, functools.partial):
+        return (functools.partial, fp(x.func), fp(x.args), fp(x.keywords))
+    if isinstance(x, types.MethodType):
+        return (types.MethodType, fp(x.__func__), fp(x.__self__))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        fields = tuple(fp(getattr(x, f.name)) for f in dataclasses.fields(x))
+        return (type(x), fields)
+    try:
+        hash(x)
+    except TypeError:
+        return _Identity(x)
+    return x

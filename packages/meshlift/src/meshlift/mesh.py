@@ -1,0 +1,87 @@
+"""Meshes: making them and setting the call-site mesh.
+
+Example::
+
+    import meshlift as ml
+
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    with ml.use_mesh(mesh):
+        ...  # bare PartitionSpecs in plans resolve against `mesh`
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+
+def make_mesh(
+    axis_shapes: Mapping[str, int] | Sequence[int],
+    axis_names: Sequence[str] | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: Sequence[AxisType] | None = None,
+) -> Mesh:
+    """Make a device mesh with ``Auto`` axis types (``jax.make_mesh`` defaults to Explicit).
+
+    ``axis_shapes`` is ``{"data": 2, "model": 4}`` or ``(2, 4)`` with ``axis_names``.
+
+    Example::
+
+        mesh = ml.make_mesh({"data": 2, "model": 4})
+        assert mesh.shape == {"data": 2, "model": 4}
+    """
+    if isinstance(axis_shapes, Mapping):
+        if axis_names is not None:
+            raise TypeError(
+                "pass axis names either as the mapping's keys or as axis_names, not both"
+            )
+        axis_names = tuple(axis_shapes)
+        axis_shapes = tuple(axis_shapes.values())
+    if axis_names is None or len(axis_names) != len(axis_shapes):
+        raise TypeError(
+            f"make_mesh needs one name per axis: got shape {tuple(axis_shapes)} and names "
+            f"{axis_names}; write ml.make_mesh({{'data': 2, 'model': 4}})"
+        )
+    needed = 1
+    for size in axis_shapes:
+        needed *= size
+    available = len(devices) if devices is not None else jax.device_count()
+    if needed != available:
+        raise ValueError(
+            f"a mesh of shape {dict(zip(axis_names, axis_shapes, strict=True))} needs {needed} "
+            f"devices, but {available} are available; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} before importing jax"
+        )
+    if axis_types is None:
+        axis_types = (AxisType.Auto,) * len(axis_shapes)
+    return jax.make_mesh(
+        tuple(axis_shapes), tuple(axis_names), axis_types=tuple(axis_types), devices=devices
+    )
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """Set the call-site mesh for every backend (``jax.set_mesh`` underneath).
+
+    Example::
+
+        with ml.use_mesh(mesh):
+            step(model, batch)   # bare PartitionSpecs resolve against `mesh`
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"use_mesh takes a jax.sharding.Mesh, got {type(mesh).__name__}")
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh set by ``ml.use_mesh`` or ``jax.set_mesh``, else None."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside a trace: only the abstract mesh is known
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh

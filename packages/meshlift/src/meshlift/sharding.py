@@ -1,0 +1,250 @@
+"""Sharding plans: ``StateSharding``, path filters, and spec validation.
+
+A plan maps each parameter of a model to a ``PartitionSpec``. Write it once::
+
+    from jax.sharding import PartitionSpec as P
+    import meshlift as ml
+
+    plan = ml.StateSharding({
+        ml.path_endswith("linear1", "kernel"): P(None, "model"),
+        ml.path_endswith("linear2", "kernel"): P("model", None),
+        ...: P(),                        # everything else replicated
+    })
+
+and pass it wherever a transform takes shardings or specs, at the position of
+the module it describes (``in_shardings=(plan, P("data"))``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+Path: TypeAlias = tuple[Hashable, ...]
+Spec: TypeAlias = PartitionSpec | Sharding | None
+
+
+class PlanError(ValueError):
+    """A sharding plan does not fit the arguments it is applied to."""
+
+
+def format_path(path: Iterable[Hashable]) -> str:
+    """``("model", "layers", 0, "kernel")`` -> ``"model.layers.0.kernel"``."""
+    return ".".join(str(part) for part in path) or "<root>"
+
+
+class path_endswith:
+    """Filter matching parameters whose path ends with ``parts``.
+
+    Example::
+
+        plan = ml.StateSharding({ml.path_endswith("linear1", "kernel"): P(None, "model"), ...: P()})
+    """
+
+    def __init__(self, *parts: Hashable):
+        if not parts:
+            raise TypeError(
+                "path_endswith needs at least one path part, e.g. path_endswith('kernel')"
+            )
+        self.parts = tuple(str(p) for p in parts)
+
+    def __call__(self, path: Path, value: Any = None) -> bool:
+        n = len(self.parts)
+        return len(path) >= n and tuple(str(p) for p in path[-n:]) == self.parts
+
+    def __repr__(self) -> str:
+        return f"path_endswith({', '.join(map(repr, self.parts))})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, path_endswith) and other.parts == self.parts
+
+    def __hash__(self) -> int:
+        return hash((path_endswith, self.parts))
+
+
+class _PathPrefix:
+    """Matches paths that start with ``prefix`` (how a nested mapping of specs broadcasts)."""
+
+    def __init__(self, prefix: Path):
+        self.prefix = tuple(str(p) for p in prefix)
+
+    def __call__(self, path: Path, value: Any = None) -> bool:
+        return tuple(str(p) for p in path[: len(self.prefix)]) == self.prefix
+
+    def __repr__(self) -> str:
+        return f"path {format_path(self.prefix)!r}"
+
+
+def is_spec(x: Any) -> bool:
+    """True for what can stand at a leaf of a sharding prefix tree."""
+    return x is None or isinstance(x, PartitionSpec | Sharding | StateSharding)
+
+
+class StateSharding:
+    """Ordered ``filter -> spec`` pairs; the first filter that matches a parameter wins.
+
+    Filters are NNX filters (a ``Variable`` type such as ``nnx.Param``, a tag
+    string, a ``(path, variable) -> bool`` predicate, ``nnx.All``/``Any``/``Not``),
+    ``ml.path_endswith(...)``, or ``...`` for everything. Specs are
+    ``PartitionSpec``, ``NamedSharding`` or ``None`` (left to the compiler).
+
+    Example::
+
+        plan = ml.StateSharding({
+            nnx.BatchStat: P(),
+            ml.path_endswith("kernel"): P(None, "model"),
+            ...: P(),
+        })
+        plan.spec_for(("linear1", "kernel"), model.linear1.kernel)   # P(None, 'model')
+
+    A parameter that no filter matches is an error naming its path: end the
+    plan with ``...: P()`` to replicate the rest.
+    """
+
+    def __init__(self, rules: Mapping[Any, Spec] | Iterable[tuple[Any, Spec]]):
+        pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+        self.rules: tuple[tuple[Any, Callable[..., bool], Spec], ...] = tuple(
+            (filter_, nnx.filterlib.to_predicate(filter_), _check_spec_type(spec, filter_))
+            for filter_, spec in pairs
+        )
+
+    @classmethod
+    def from_state(cls, specs: Mapping[Any, Any]) -> StateSharding:
+        """A plan from an ``nnx.State`` or nested mapping of specs, shaped like the model.
+
+        A spec at an inner node applies to every parameter below it; deeper entries win.
+
+        Example::
+
+            plan = ml.StateSharding.from_state({"linear1": {"kernel": P(None, "model"),
+                                                            "bias": P("model")},
+                                                "linear2": P()})
+        """
+        flat: list[tuple[Path, Spec]] = []
+
+        def walk(node: Any, path: Path) -> None:
+            if isinstance(node, Mapping) and not isinstance(node, StateSharding):
+                for key, child in node.items():
+                    walk(child, (*path, key))
+            else:
+                value = node.get_raw_value() if isinstance(node, nnx.Variable) else node
+                flat.append((path, value))
+
+        walk(specs, ())
+        flat.sort(key=lambda item: -len(item[0]))
+        return cls([(_PathPrefix(path), spec) for path, spec in flat])
+
+    def spec_for(self, path: Path, value: Any) -> Spec:
+        """The spec of the first rule matching ``(path, value)``; a PlanError if none does."""
+        for _, predicate, spec in self.rules:
+            if predicate(path, value):
+                return spec
+        raise PlanError(
+            f"no filter of the plan matches `{format_path(path)}` "
+            f"({type(value).__name__}, shape {_shape(value)}); the plan's filters are "
+            f"{[f for f, _, _ in self.rules]}. Add a rule for it, or end the plan with "
+            f"`...: P()` to replicate everything not listed."
+        )
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f!r}: {s!r}" for f, _, s in self.rules)
+        return f"StateSharding({{{inner}}})"
+
+
+def _check_spec_type(spec: Any, filter_: Any) -> Spec:
+    if spec is None or isinstance(spec, PartitionSpec | Sharding):
+        return spec
+    if isinstance(spec, list | tuple) and all(
+        p is None or isinstance(p, str | tuple) for p in spec
+    ):
+        raise TypeError(
+            f"the spec for filter {filter_!r} is a {type(spec).__name__} {spec!r}; "
+            f"wrap it: PartitionSpec{tuple(spec)!r}"
+        )
+    raise TypeError(
+        f"the spec for filter {filter_!r} must be a PartitionSpec, NamedSharding or None, "
+        f"got {type(spec).__name__}: {spec!r}"
+    )
+
+
+def _shape(value: Any) -> tuple[int, ...] | str:
+    if isinstance(value, nnx.Variable):
+        value = value.get_raw_value()
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else "scalar"
+
+
+def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """``P(None, ("data", "model"))`` -> ``[(0, ()), (1, ("data", "model"))]``."""
+    out = []
+    for dim, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append((dim, ()))
+        elif isinstance(entry, str):
+            out.append((dim, (entry,)))
+        else:
+            out.append((dim, tuple(entry)))
+    return out
+
+
+def spec_problems(
+    spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[str, int]
+) -> list[str]:
+    """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can."""
+    problems = []
+    if len(spec) > len(shape):
+        problems.append(
+            f"the spec has {len(spec)} entries but the array has rank {len(shape)}; "
+            f"use at most {len(shape)} entries"
+        )
+    seen: set[str] = set()
+    for dim, axes in spec_axes(spec):
+        for axis in axes:
+            if axis not in mesh_shape:
+                problems.append(
+                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); "
+                    f"use one of those names or another mesh"
+                )
+            elif axis in seen:
+                problems.append(
+                    f"mesh axis {axis!r} is used twice; a mesh axis can shard at most one dimension"
+                )
+            seen.add(axis)
+        size = math.prod(mesh_shape.get(axis, 1) for axis in axes)
+        if dim < len(shape) and axes and shape[dim] % size:
+            problems.append(
+                f"dimension {dim} (size {shape[dim]}) is not divisible by {size}, the size of "
+                f"mesh axes {axes}; pad the array or choose other axes"
+            )
+    return problems
+
+
+def to_sharding(spec: Spec, mesh: Any, path: str, value: Any) -> Sharding | None:
+    """Resolve a leaf spec to a ``Sharding`` for ``value`` at ``path``, validating it.
+
+    Raises a PlanError naming the path, shape, spec and mesh. With ``value``
+    None (an output whose shape is not known yet) the spec is not validated.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, PartitionSpec):
+        if mesh is None:
+            raise PlanError(
+                f"`{path}` has the bare spec {spec} but no mesh is known: pass mesh= to the "
+                f"transform, or call it inside `with ml.use_mesh(mesh):`"
+            )
+        spec = NamedSharding(mesh, spec)
+    if isinstance(spec, NamedSharding) and value is not None:
+        shape = _shape(value)
+        shape = shape if isinstance(shape, tuple) else ()
+        problems = spec_problems(spec.spec, shape, dict(spec.mesh.shape))
+        if problems:
+            raise PlanError(
+                f"cannot shard `{path}` (shape {shape}) with spec {spec.spec} on mesh "
+                f"{dict(spec.mesh.shape)}: " + "; ".join(problems)
+            )
+    return spec
