@@ -109,16 +109,18 @@ class GraphSplit:
         """Fresh nodes of the same structure holding ``values`` (tracers, inside a trace)."""
         return nnx.graph.unflatten(self.graphdef, list(values))
 
-    def describe_change(self, before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
-        """What differs between two rebuilt node tuples, by path; for error messages."""
-        old, new = _leaf_fingerprints(before), _leaf_fingerprints(after)
-        lines = [f"added `{format_path(p)}`" for p in new.keys() - old.keys()]
-        lines += [f"removed `{format_path(p)}`" for p in old.keys() - new.keys()]
-        lines += [
-            f"changed `{format_path(p)}`"
-            for p in old.keys() & new.keys()
-            if old[p] != new[p]
-        ]
+    def describe_change(
+        self, before: tuple[Any, ...], after: tuple[Any, ...], names: Sequence[str]
+    ) -> str:
+        """What differs between two rebuilt node tuples, by path; ``names[k]`` names node k."""
+        old, new = _path_fingerprints(before), _path_fingerprints(after)
+
+        def show(path: tuple[Hashable, ...]) -> str:
+            return format_path((names[path[0]], *path[1:]))
+
+        lines = [f"added `{show(p)}`" for p in new.keys() - old.keys()]
+        lines += [f"removed `{show(p)}`" for p in old.keys() - new.keys()]
+        lines += [f"changed `{show(p)}`" for p in old.keys() & new.keys() if old[p] != new[p]]
         return "; ".join(sorted(lines)) or "the node types or Variable metadata changed"
 
     def _contents(self) -> list[Any]:
@@ -152,12 +154,17 @@ def _mutable_containers(nodes: Any) -> tuple[list[dict[Any, Any]], list[list[Any
     return dicts, lists
 
 
-def _leaf_fingerprints(nodes: Any) -> dict[tuple[Hashable, ...], Any]:
-    return {
-        path: fingerprint(type(value) if isinstance(value, nnx.Variable) else value)
-        for path, value in nnx.graph.iter_graph(nodes)
-        if not graphlib.is_node(value) and not hasattr(value, "shape")
-    }
+def _path_fingerprints(nodes: Any) -> dict[tuple[Hashable, ...], Any]:
+    """Path -> what a structural comparison sees there (a type for nodes, a value for statics)."""
+    out = {}
+    for path, value in nnx.graph.iter_graph(nodes):
+        if any(str(part).startswith("_pytree__") for part in path):
+            continue  # flax's bookkeeping; the user-visible attribute shows the change
+        if isinstance(value, nnx.Variable) or graphlib.is_node(value) or hasattr(value, "shape"):
+            out[path] = type(value)
+        else:
+            out[path] = fingerprint(value)
+    return out
 
 
 class _Identity:

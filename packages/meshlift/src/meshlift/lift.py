@@ -109,7 +109,7 @@ class Lifted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         binding, leaves = self._bind(args, kwargs)
-        return binding.finish(binding.staged(*binding.inputs(leaves)))
+        return binding.run(binding.staged, binding.inputs(leaves))
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace for these arguments; ``.lower()`` continues. Nothing is written back."""
@@ -229,6 +229,7 @@ class _Binding:
             tuple(var_specs[i] for i in self.var_groups[1]),
             tuple(dyn_specs[i] for i in self.dyn_groups[1]),
         )
+        self.in_specs = in_specs
         donate_argnums = (2, 3) if self.donated else ()
         staged_key = (self.split.key, treedef, statics, in_specs, donate_argnums, mesh)
         staged = lifted._staged.get(staged_key)
@@ -244,6 +245,7 @@ class _Binding:
             lifted._staged[staged_key] = staged
         self.staged = staged
         self._index_map = self.split.index_map()
+        self._place_variables(var_specs)
 
     # -- per call ---------------------------------------------------------------------
     def inputs(self, leaves: list[Any]) -> tuple[tuple[Any, ...], ...]:
@@ -258,13 +260,58 @@ class _Binding:
             tuple(leaves[i] for i in self.dyn_groups[1]),
         )
 
-    def finish(self, outputs: tuple[Any, Any, _Aux]) -> Any:
-        """Write updated Variables back and rebuild graph nodes in the output."""
+    def run(self, staged: Any, inputs: tuple[tuple[Any, ...], ...]) -> Any:
+        """Call ``staged``, write updated Variables back, rebuild graph nodes in the output.
+
+        Arrays already placed with another sharding than the plan's (JAX refuses
+        those) are moved to the plan's sharding and the call is made again.
+        """
+        try:
+            outputs = staged(*inputs)
+        except ValueError:
+            moved = self._reshard(inputs)
+            if moved is None:
+                raise
+            outputs = staged(*moved)
         var_out, user_out, aux = outputs
         self.split.scatter(aux.info.changed, var_out)
         if not aux.info.out_graphdefs:
             return user_out
         return _decode_outputs(user_out, aux.info, self._index_map)
+
+    def _place_variables(self, shardings: tuple[Sharding | None, ...]) -> None:
+        """Move Variables whose arrays are not where the plan puts them (once, not per call)."""
+        values = self.split.gather()
+        misplaced = [
+            i
+            for i, (value, sharding) in enumerate(zip(values, shardings, strict=True))
+            if sharding is not None and getattr(value, "sharding", sharding) != sharding
+        ]
+        if misplaced:
+            moved = jax.device_put(
+                [values[i] for i in misplaced], [shardings[i] for i in misplaced]
+            )
+            placed = list(values)
+            for i, value in zip(misplaced, moved, strict=True):
+                placed[i] = value
+            self.split.scatter(misplaced, placed)
+
+    def _reshard(self, inputs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
+        """``inputs`` with each array put on its planned sharding; None if all already were."""
+        moved = False
+
+        def place(x: Any, sharding: Any) -> Any:
+            nonlocal moved
+            if sharding is None or getattr(x, "sharding", sharding) == sharding:
+                return x
+            moved = True
+            return jax.device_put(x, sharding)
+
+        placed = tuple(
+            tuple(map(place, group, specs))
+            for group, specs in zip(inputs, self.in_specs, strict=True)
+        )
+        return placed if moved else None
 
     def abstract_index_map(self) -> graphlib.IndexMap:
         """Like the caller's index map, but over abstract copies of the nodes (for eval_shape)."""
@@ -281,6 +328,7 @@ class _Binding:
         dyn_order = self.dyn_groups[0] + self.dyn_groups[1]
         donated_vars = frozenset(self.var_groups[1])
         n_leaves = len(node_pos) + len(dyn_order)
+        names = [self.leaf_paths[i] for i in node_pos]
 
         def pure(kept_vars, kept_dyn, donated_var_values, donated_dyn):
             var_values: list[Any] = [None] * len(var_order)
@@ -300,7 +348,7 @@ class _Binding:
             if fingerprint(graphdef) != split.key:
                 raise StructureChangedError(
                     f"{lifted.__name__} changed the structure of its arguments: "
-                    f"{split.describe_change(split.rebuild(var_values), nodes)}. meshlift writes "
+                    f"{split.describe_change(split.rebuild(var_values), nodes, names)}. meshlift writes "
                     f"back array values only; make structural changes (new attributes, replaced "
                     f"submodules, static fields) outside the lifted function."
                 )
@@ -331,7 +379,9 @@ class _Binding:
         origin: dict[int, tuple[str, Any]] = {}
         for pos in self.node_pos:
             for path, variable in _variable_paths(leaves[pos]):
-                full = ".".join(filter(None, (self.leaf_paths[pos], format_path(path) if path else "")))
+                full = ".".join(
+                    filter(None, (self.leaf_paths[pos], format_path(path) if path else ""))
+                )
                 spec = prefix[pos]
                 if isinstance(spec, StateSharding):
                     spec = spec.spec_for(path, variable)
@@ -409,7 +459,7 @@ class Compiled:
                 "these arguments differ in structure, shardings or static values from the ones "
                 "this function was compiled for; call .lower(...).compile() again for them"
             )
-        return binding.finish(self.jax_compiled(*binding.inputs(leaves)))
+        return binding.run(self.jax_compiled, binding.inputs(leaves))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jax_compiled, name)
@@ -601,15 +651,17 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> list
 
 
 def _variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:
-    """(path, Variable) for every path of ``node``, shared Variables once per path."""
+    """(path, Variable) for every path of ``node``: a shared Variable or module once per path."""
     _, flat = nnx.graph.flatten(node)
-    pairs = list(zip(flat.paths, flat.leaves, strict=True))
+    first_paths = list(zip(flat.paths, flat.leaves, strict=True))
+    pairs = list(first_paths)
     if isinstance(node, nnx.Variable):
         return pairs
-    by_path = dict(pairs)
-    for group in nnx.graph.find_duplicates(node, only=nnx.Variable):
-        first = next((by_path[tuple(p)] for p in group if tuple(p) in by_path), None)
-        pairs += [(tuple(p), first) for p in group if tuple(p) not in by_path and first is not None]
+    for group in nnx.graph.find_duplicates(node):
+        first, *others = (tuple(p) for p in group)
+        for path, variable in first_paths:
+            if path[: len(first)] == first:
+                pairs += [((*other, *path[len(first) :]), variable) for other in others]
     return pairs
 
 
@@ -669,8 +721,11 @@ def _output_leaf_specs(out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh
         variables = dict(_variable_paths(leaf))
         shardings = []
         for path in info.out_paths[i]:
-            leaf_spec = spec.spec_for(path, variables[path]) if isinstance(spec, StateSharding) else spec
-            shardings.append(to_sharding(leaf_spec, mesh, f"output.{format_path(path)}", variables[path]))
+            leaf_spec = (
+                spec.spec_for(path, variables[path]) if isinstance(spec, StateSharding) else spec
+            )
+            shardings.append(
+                to_sharding(leaf_spec, mesh, f"output.{format_path(path)}", variables[path])
+            )
         result.append(tuple(shardings))
     return info.out_treedef.unflatten(result)
-

@@ -192,10 +192,15 @@ def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def spec_problems(
-    spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[str, int]
+    spec: PartitionSpec, shape: Sequence[int] | None, mesh_shape: Mapping[str, int]
 ) -> list[str]:
-    """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can."""
+    """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can.
+
+    With ``shape`` None (not known yet) only the mesh-axis checks apply.
+    """
     problems = []
+    if shape is None:
+        shape = (0,) * len(spec)
     if len(spec) > len(shape):
         problems.append(
             f"the spec has {len(spec)} entries but the array has rank {len(shape)}; "
@@ -227,24 +232,25 @@ def to_sharding(spec: Spec, mesh: Any, path: str, value: Any) -> Sharding | None
     """Resolve a leaf spec to a ``Sharding`` for ``value`` at ``path``, validating it.
 
     Raises a PlanError naming the path, shape, spec and mesh. With ``value``
-    None (an output whose shape is not known yet) the spec is not validated.
+    None (an output whose shape is not known yet) only the mesh axes are checked.
     """
     if spec is None:
         return None
-    if isinstance(spec, PartitionSpec):
-        if mesh is None:
-            raise PlanError(
-                f"`{path}` has the bare spec {spec} but no mesh is known: pass mesh= to the "
-                f"transform, or call it inside `with ml.use_mesh(mesh):`"
-            )
-        spec = NamedSharding(mesh, spec)
-    if isinstance(spec, NamedSharding) and value is not None:
-        shape = _shape(value)
-        shape = shape if isinstance(shape, tuple) else ()
-        problems = spec_problems(spec.spec, shape, dict(spec.mesh.shape))
-        if problems:
-            raise PlanError(
-                f"cannot shard `{path}` (shape {shape}) with spec {spec.spec} on mesh "
-                f"{dict(spec.mesh.shape)}: " + "; ".join(problems)
-            )
-    return spec
+    if isinstance(spec, PartitionSpec) and mesh is None:
+        raise PlanError(
+            f"`{path}` has the bare spec {spec} but no mesh is known: pass mesh= to the "
+            f"transform, or call it inside `with ml.use_mesh(mesh):`"
+        )
+    named = spec if isinstance(spec, NamedSharding) else None
+    if named is not None:
+        mesh, spec = named.mesh, named.spec
+    if not isinstance(spec, PartitionSpec):
+        return spec  # another kind of Sharding: JAX checks it
+    shape = _shape(value) if value is not None else None
+    problems = spec_problems(spec, () if shape == "scalar" else shape, dict(mesh.shape))
+    if problems:
+        raise PlanError(
+            f"cannot shard `{path}` (shape {shape}) with spec {spec} on mesh "
+            f"{dict(mesh.shape)}: " + "; ".join(problems)
+        )
+    return named or NamedSharding(mesh, spec)

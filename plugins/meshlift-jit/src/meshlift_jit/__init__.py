@@ -29,13 +29,15 @@ except PackageNotFoundError:  # running from a source tree without an install
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     """``jax.jit`` over the pure function, with the core's leaf-level shardings."""
-    return jax.jit(
-        fn,
-        in_shardings=spec.in_specs,
-        out_shardings=spec.out_specs,
-        donate_argnums=spec.donate_argnums,
-        **spec.options,
-    )
+    shardings = {"in_shardings": spec.in_specs, "out_shardings": spec.out_specs}
+    if "device" in spec.options or "backend" in spec.options:
+        if any(s is not None for s in jax.tree.leaves(shardings)):
+            raise ValueError(
+                "jit's device= and backend= cannot be combined with shardings: drop them and "
+                "place the computation with mesh= and in_shardings instead"
+            )
+        shardings = {}  # jax.jit refuses shardings next to device/backend
+    return jax.jit(fn, donate_argnums=spec.donate_argnums, **shardings, **spec.options)
 
 
 def jit(

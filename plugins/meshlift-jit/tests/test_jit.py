@@ -1,0 +1,399 @@
+"""ml.jit: numbers, shardings, write-back, options and stages on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshlift as ml
+
+
+class MLP(nnx.Module):
+    def __init__(self, din: int, dhidden: int, dout: int, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(din, dhidden, rngs=rngs)
+        self.linear2 = nnx.Linear(dhidden, dout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear2(jax.nn.relu(self.linear1(x)))
+
+
+TENSOR_PARALLEL = ml.StateSharding(
+    {
+        ml.path_endswith("linear1", "kernel"): P(None, "model"),
+        ml.path_endswith("linear1", "bias"): P("model"),
+        ml.path_endswith("linear2", "kernel"): P("model", None),
+        ...: P(),
+    }
+)
+
+
+def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
+    def loss_fn(model: MLP) -> jax.Array:
+        return jnp.mean((model(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return ml.make_mesh({"data": 2, "model": 4})
+
+
+def data(batch: int = 8, width: int = 16):
+    x = jax.random.normal(jax.random.key(1), (batch, width))
+    y = jax.random.normal(jax.random.key(2), (batch, width))
+    return x, y
+
+
+def fresh(seed: int = 0):
+    model = MLP(16, 32, 16, nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def max_abs_diff(a, b) -> float:
+    leaves_a, leaves_b = jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+def test_tensor_parallel_adam_matches_single_device_and_the_plan(mesh):
+    x, y = data()
+    model, opt = fresh()
+    step = ml.jit(
+        train_step,
+        in_shardings=(TENSOR_PARALLEL, TENSOR_PARALLEL, P("data"), P("data")),
+        out_shardings=P(),
+        mesh=mesh,
+    )
+    ref_model, ref_opt = fresh()
+    ref_step = nnx.jit(train_step)  # plain flax, one device
+    for _ in range(5):
+        loss = step(model, opt, x, y)
+        ref_loss = ref_step(ref_model, ref_opt, x, y)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5
+    assert max_abs_diff(model, ref_model) <= 1e-5
+    assert int(opt.step[...]) == 5
+    expected = {
+        ("linear1", "kernel"): P(None, "model"),
+        ("linear1", "bias"): P("model"),
+        ("linear2", "kernel"): P("model", None),
+        ("linear2", "bias"): P(),
+    }
+    for (layer, name), spec in expected.items():
+        param = getattr(getattr(model, layer), name)[...]
+        assert param.sharding == NamedSharding(mesh, spec), (layer, name)
+        mu = opt.opt_state[0].mu[layer][name][...]
+        assert mu.sharding.spec == spec, ("mu", layer, name)
+
+
+def test_fresh_optimizer_of_same_structure_does_not_retrace(mesh):
+    traces = []
+
+    def counted(model, optimizer, x, y):
+        traces.append(1)
+        return train_step(model, optimizer, x, y)
+
+    step = ml.jit(counted)
+    x, y = data()
+    model, opt = fresh()
+    step(model, opt, x, y)
+    step(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), x, y)
+    assert len(traces) == 1
+    step(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), x, y)
+    assert len(traces) == 2  # a different learning rate is a different program
+    other_model, other_opt = fresh(seed=3)
+    step(other_model, other_opt, x, y)
+    assert len(traces) == 2  # another model of the same structure reuses the trace
+
+
+def test_updates_land_on_the_callers_objects():
+    x, y = data()
+    model, opt = fresh()
+    kernel = model.linear1.kernel
+    before = np.asarray(kernel[...])
+    ml.jit(train_step)(model, opt, x, y)
+    assert model.linear1.kernel is kernel
+    assert not np.allclose(before, kernel[...])
+    assert int(opt.step[...]) == 1
+
+
+def test_replacing_a_submodule_between_calls_uses_the_new_one():
+    model, _ = fresh()
+    forward = ml.jit(lambda m, x: m(x))
+    x, _ = data()
+    forward(model, x)
+    model.linear2 = nnx.Linear(32, 16, rngs=nnx.Rngs(7))
+    np.testing.assert_allclose(forward(model, x), model(x), rtol=1e-6)
+
+
+def test_structure_change_inside_is_rejected_and_model_unchanged():
+    model, _ = fresh()
+
+    def grow(m, x):
+        m.linear1.kernel[...] = m.linear1.kernel[...] * 0
+        m.extra = nnx.Param(jnp.ones(3))
+        return x
+
+    before = np.asarray(model.linear1.kernel[...])
+    with pytest.raises(ml.StructureChangedError, match=r"added `m\.extra`"):
+        ml.jit(grow)(model, jnp.ones(2))
+    assert not hasattr(model, "extra")
+    np.testing.assert_array_equal(before, model.linear1.kernel[...])
+
+
+def test_exception_inside_leaves_the_model_unchanged():
+    model, opt = fresh()
+
+    def fails(m, o):
+        m.linear1.kernel[...] = m.linear1.kernel[...] + 1
+        raise ValueError("inside")
+
+    before = np.asarray(model.linear1.kernel[...])
+    with pytest.raises(ValueError, match="inside"):
+        ml.jit(fails)(model, opt)
+    np.testing.assert_array_equal(before, model.linear1.kernel[...])
+
+
+def test_batchnorm_statistics_and_dropout_rng_are_written_back():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.linear(x)))
+
+    net, ref = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    step = ml.jit(lambda n, x: n(x))
+    for _ in range(2):
+        np.testing.assert_allclose(step(net, x), ref(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.bn.mean[...], ref.bn.mean[...], rtol=1e-6)
+    assert int(net.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == 2
+
+
+def test_shared_variables_stay_shared():
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.head = self.embed
+
+    tied = Tied()
+    before = np.asarray(tied.embed.kernel[...])
+
+    def double(t):
+        t.head.kernel[...] = t.embed.kernel[...] * 2
+
+    ml.jit(double)(tied)
+    assert tied.head is tied.embed
+    np.testing.assert_allclose(tied.embed.kernel[...], before * 2)
+
+
+def test_shared_variable_sharded_two_ways_names_both_paths(mesh):
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+            self.head = self.embed
+
+    plan = ml.StateSharding(
+        {
+            ml.path_endswith("embed", "kernel"): P(None, "model"),
+            ml.path_endswith("head", "kernel"): P("model", None),
+            ...: P(),
+        }
+    )
+    with pytest.raises(ml.PlanError, match=r"`t\.embed\.kernel` and `t\.head\.kernel`"):
+        ml.jit(lambda t: None, in_shardings=(plan,), mesh=mesh)(Tied())
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (P("nope"), "mesh axis 'nope' is not in the mesh"),
+        (P(None, ("data", "model")), "not divisible by 8"),
+        (P("model", "model"), "used twice"),
+        (P(None, None, "data"), "has rank 2"),
+    ],
+)
+def test_bad_plan_errors_name_path_shape_spec_and_mesh(mesh, spec, message):
+    model = MLP(16, 12, 16, nnx.Rngs(0))  # linear1.kernel is (16, 12)
+    plan = ml.StateSharding({ml.path_endswith("linear1", "kernel"): spec, ...: P()})
+    step = ml.jit(lambda model, x: model(x), in_shardings=(plan, None), mesh=mesh)
+    with pytest.raises(ml.PlanError) as info:
+        step(model, jnp.ones((2, 16)))
+    text = str(info.value)
+    assert "`model.linear1.kernel`" in text and "(16, 12)" in text
+    assert str(spec) in text and "{'data': 2, 'model': 4}" in text and message in text
+
+
+def test_unmatched_parameter_names_its_path(mesh):
+    plan = ml.StateSharding({ml.path_endswith("linear1", "kernel"): P(None, "model")})
+    model, _ = fresh()
+    with pytest.raises(ml.PlanError, match=r"`linear1.bias`.*\.\.\.: P\(\)"):
+        ml.jit(lambda m: None, in_shardings=(plan,), mesh=mesh)(model)
+
+
+def test_bare_spec_without_a_mesh_says_how_to_give_one():
+    with pytest.raises(ml.PlanError, match="ml.use_mesh"):
+        ml.jit(lambda x: x, in_shardings=P("data"))(jnp.ones(8))
+
+
+def test_use_mesh_supplies_the_mesh_and_moves_committed_inputs(mesh):
+    model, _ = fresh()
+    with ml.use_mesh(mesh):
+        x = jnp.ones((8, 16))  # committed, replicated on the mesh
+        forward = ml.transform(
+            "jit", lambda m, x: m(x), in_specs=(TENSOR_PARALLEL, P("data")), out_specs=P("data")
+        )
+        out = forward(model, x)
+    assert out.sharding == NamedSharding(mesh, P("data"))
+    assert model.linear1.kernel[...].sharding == NamedSharding(mesh, P(None, "model"))
+
+
+def test_init_with_a_plan_for_the_output_module(mesh):
+    init = ml.jit(lambda: MLP(16, 32, 16, nnx.Rngs(0)), out_shardings=TENSOR_PARALLEL, mesh=mesh)
+    model = init()
+    reference = MLP(16, 32, 16, nnx.Rngs(0))
+    assert isinstance(model, MLP)
+    assert model.linear1.kernel[...].sharding.spec == P(None, "model")
+    assert model.linear2.kernel[...].sharding.spec == P("model", None)
+    assert max_abs_diff(model, reference) == 0.0
+
+
+def test_returning_an_argument_gives_back_the_same_object():
+    model, _ = fresh()
+    assert ml.jit(lambda m: m)(model) is model
+
+
+def test_eval_shape_gives_abstract_modules_and_writes_nothing():
+    model, _ = fresh()
+    before = np.asarray(model.linear1.kernel[...])
+
+    def bump_and_make(m):
+        m.linear1.kernel[...] += 1
+        return nnx.Linear(3, 5, rngs=nnx.Rngs(0)), m(jnp.ones((2, 16)))
+
+    layer, out = ml.jit(bump_and_make).eval_shape(model)
+    assert layer.kernel.get_value() == jax.ShapeDtypeStruct((3, 5), jnp.float32)
+    assert out.shape == (2, 16)
+    np.testing.assert_array_equal(before, model.linear1.kernel[...])
+
+
+def test_decorator_forms_and_static_arguments():
+    @ml.jit
+    def plain(x):
+        return x + 1
+
+    @ml.jit(static_argnums=1)
+    def scaled(x, n):
+        return x * n
+
+    @ml.jit(static_argnames="n")
+    def scaled_kw(x, *, n):
+        return x * n
+
+    assert float(plain(jnp.float32(1))) == 2.0
+    assert float(scaled(jnp.float32(2), 3)) == 6.0
+    assert float(scaled_kw(jnp.float32(2), n=4)) == 8.0
+    with pytest.raises(TypeError, match="static argument n must be hashable"):
+        scaled(jnp.float32(2), [3])
+
+
+def test_donated_model_buffers_are_reused_and_written_back():
+    model, opt = fresh()
+    x, y = data()
+    old = model.linear1.kernel[...]
+    step = ml.jit(train_step, donate_argnums=(0, 1))
+    step(model, opt, x, y)
+    assert old.is_deleted()
+    assert not model.linear1.kernel[...].is_deleted()
+    step(model, opt, x, y)
+    assert int(opt.step[...]) == 2
+
+
+def test_donate_argnames_and_keep_unused():
+    step = ml.jit(lambda a, unused: a * 2, donate_argnames="a", keep_unused=True)
+    a = jnp.ones(4)
+    lowered = step.lower(a, jnp.ones(3))
+    assert "tensor<3xf32>" in lowered.as_text()  # kept although unused
+    np.testing.assert_array_equal(step(a, jnp.ones(3)), 2 * np.ones(4))
+    assert a.is_deleted()
+
+
+def test_works_as_a_method():
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.total = nnx.Variable(jnp.zeros(3))
+
+        @ml.jit
+        def add(self, x):
+            self.total[...] += x
+            return self.total[...].sum()
+
+    counter = Counter()
+    counter.add(jnp.ones(3))
+    assert float(counter.add(jnp.ones(3))) == 6.0
+    np.testing.assert_array_equal(counter.total[...], 2 * np.ones(3))
+
+
+def test_stages_lower_compile_and_call_with_modules(mesh):
+    x, y = data()
+    model, opt = fresh()
+    step = ml.jit(
+        train_step,
+        in_shardings=(TENSOR_PARALLEL, TENSOR_PARALLEL, P("data"), P("data")),
+        out_shardings=P(),
+        mesh=mesh,
+    )
+    traced = step.trace(model, opt, x, y)
+    assert "dot_general" in str(traced.jaxpr)
+    lowered = traced.lower()
+    assert "sdy.sharding" in lowered.as_text() or "mhlo.sharding" in lowered.as_text()
+    compiled = lowered.compile()
+    assert "all-reduce" in compiled.as_text()
+    assert compiled.cost_analysis()["flops"] > 0
+    assert compiled.memory_analysis() is not None
+    kernel_sharding = NamedSharding(mesh, P(None, "model"))
+    assert kernel_sharding in jax.tree.leaves(compiled.input_shardings)
+    before = int(opt.step[...])
+    loss = compiled(model, opt, x, y)
+    assert loss.shape == () and int(opt.step[...]) == before + 1
+    assert step.lower(model, opt, x, y).compile()(model, opt, x, y).shape == ()
+
+
+def test_compiled_rejects_arguments_of_another_structure():
+    compiled = ml.jit(lambda m: m(jnp.ones((1, 16)))).lower(fresh()[0]).compile()
+    with pytest.raises(TypeError, match="compile"):
+        compiled(MLP(16, 8, 16, nnx.Rngs(0)))
+
+
+def test_jit_options_reach_jax():
+    cpu = jax.devices()[3]
+    with pytest.warns(DeprecationWarning, match="backend and device argument on jit"):
+        out = ml.jit(lambda x: x + 1, device=cpu)(jnp.ones(2))
+        assert out.devices() == {cpu}
+        lowered = ml.jit(lambda x: x * 2, inline=True, backend="cpu").lower(jnp.ones(2))
+    np.testing.assert_array_equal(lowered.compile()(jnp.ones(2)), [2.0, 2.0])
+    with pytest.raises(ValueError, match="device= and backend= cannot be combined"):
+        ml.jit(lambda x: x, device=cpu, in_shardings=P(), mesh=ml.make_mesh({"d": 8}))(jnp.ones(8))
+    options = {"xla_embed_ir_in_executable": True}
+    lowered = ml.jit(lambda x: x * 2, compiler_options=options).lower(jnp.ones(2))
+    np.testing.assert_array_equal(lowered.compile()(jnp.ones(2)), [2.0, 2.0])
+
+
+def test_transform_jit_is_the_same_backend(mesh):
+    x, y = data()
+    a_model, a_opt = fresh()
+    b_model, b_opt = fresh()
+    specs = (TENSOR_PARALLEL, TENSOR_PARALLEL, P("data"), P("data"))
+    by_name = ml.transform("jit", train_step, mesh=mesh, in_specs=specs, out_specs=P())
+    by_object = ml.transform(ml.get_backend("jit"), train_step, mesh=mesh, in_specs=specs)
+    assert float(by_name(a_model, a_opt, x, y)) == float(by_object(b_model, b_opt, x, y))
+    assert max_abs_diff(a_model, b_model) == 0.0
+    assert "jit" in [b.name for b in ml.backends()]
