@@ -216,7 +216,7 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
     fp = functools.partial(_fingerprint, active=active)
     if isinstance(x, list | tuple):
         return (type(x), tuple(map(fp, x)))
-    if isinstance(x, dict) or (isinstance(x, graphlib.HashableMapping)):
+    if isinstance(x, dict | graphlib.HashableMapping):
         return (type(x), tuple((fp(k), fp(v)) for k, v in x.items()))
     if isinstance(x, types.FunctionType):
         cells = tuple(fp(c.cell_contents) for c in x.__closure__ or ())

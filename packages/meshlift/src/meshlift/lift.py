@@ -636,13 +636,12 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> list
                 for i, (p, t) in enumerate(zip(prefix, tree, strict=True))
                 for spec in _broadcast_prefix(p, t, what, f"{path}[{i}]")
             ]
-    elif isinstance(prefix, Mapping) and isinstance(tree, Mapping):
-        if set(prefix) == set(tree):
-            return [
-                spec
-                for k in sorted(tree)
-                for spec in _broadcast_prefix(prefix[k], tree[k], what, f"{path}.{k}".lstrip("."))
-            ]
+    elif isinstance(prefix, Mapping) and isinstance(tree, Mapping) and set(prefix) == set(tree):
+        return [
+            spec
+            for k in sorted(tree)
+            for spec in _broadcast_prefix(prefix[k], tree[k], what, f"{path}.{k}".lstrip("."))
+        ]
     raise PlanError(
         f"{what} does not match the arguments at `{path or '<root>'}`: the spec is "
         f"{prefix!r} but the value is a {type(tree).__name__}; a spec tree must be a prefix of "
