@@ -643,9 +643,10 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> list
             for spec in _broadcast_prefix(prefix[k], tree[k], what, f"{path}.{k}".lstrip("."))
         ]
     raise PlanError(
-        f"{what} does not match the arguments at `{path or '<root>'}`: the spec is "
-        f"{prefix!r} but the value is a {type(tree).__name__}; a spec tree must be a prefix of "
-        f"the arguments (one entry per tuple element or dict key)"
+        f"{what} does not match the {'output' if what == 'out_specs' else 'arguments'} at "
+        f"`{path or '<root>'}`: the spec is {prefix!r} but the value is a "
+        f"{type(tree).__name__}; a spec tree must be a prefix of it (one entry per tuple "
+        f"element or dict key)"
     )
 
 
@@ -712,10 +713,16 @@ def _output_leaf_specs(out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh
     """Shardings for the encoded output, with a plan resolved per Variable of output modules."""
     prefix = _broadcast_prefix(out_specs, abstract_out, "out_specs")
     leaves = info.out_treedef.flatten_up_to(abstract_out)
+    keypaths = [
+        k for k, _ in jax.tree_util.tree_flatten_with_path(abstract_out, is_leaf=is_graph_leaf)[0]
+    ]
     result = []
     for i, (spec, leaf) in enumerate(zip(prefix, leaves, strict=True)):
         if i not in info.out_graphdefs:
-            result.append(to_sharding(spec, mesh, f"output[{i}]", leaf))
+            path = tuple(map(_key_name, keypaths[i]))
+            if isinstance(spec, StateSharding):
+                spec = spec.spec_for(path, leaf)
+            result.append(to_sharding(spec, mesh, format_path(("output", *path)), leaf))
             continue
         variables = dict(_variable_paths(leaf))
         shardings = []

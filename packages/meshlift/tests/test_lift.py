@@ -1,0 +1,86 @@
+"""The lift engine through a backend passed as an object: what a backend sees and returns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshlift as ml
+
+
+class RecordingBackend:
+    """An unpublished backend: stages with jax.jit and records every StageSpec it is given."""
+
+    def __init__(self):
+        self.specs = []
+        self.backend = ml.Backend(name="recording", stage=self.stage)
+
+    def stage(self, fn, spec):
+        self.specs.append(spec)
+        return jax.jit(
+            fn,
+            in_shardings=spec.in_specs,
+            out_shardings=spec.out_specs,
+            donate_argnums=spec.donate_argnums,
+        )
+
+
+class Pair(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Param(jnp.arange(8.0))
+        self.b = nnx.Param(jnp.ones((8, 4)))
+
+
+def test_backend_object_sees_only_leaf_level_shardings():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    recorder = RecordingBackend()
+    plan = ml.StateSharding({ml.path_endswith("a"): P("model"), ...: P()})
+
+    def scale(pair, x):
+        pair.a[...] = pair.a[...] * 2
+        return x.sum()
+
+    lifted = ml.transform(recorder.backend, scale, mesh=mesh, in_specs=(plan, P("data")))
+    pair = Pair()
+    out = lifted(pair, jnp.ones(8))
+    assert float(out) == 8.0
+    np.testing.assert_array_equal(pair.a[...], 2 * np.arange(8.0))
+    [spec] = recorder.specs
+    kept_vars, kept_leaves, donated_vars, donated_leaves = spec.in_specs
+    assert kept_vars == (NamedSharding(mesh, P("model")), NamedSharding(mesh, P()))
+    assert kept_leaves == (NamedSharding(mesh, P("data")),)
+    assert donated_vars == donated_leaves == ()
+    assert spec.mesh is mesh
+    lifted(pair, jnp.ones(8))
+    assert len(recorder.specs) == 1  # staged once per structure
+
+
+def test_unchanged_variables_are_not_returned():
+    recorder = RecordingBackend()
+    pair = Pair()
+    b_before = pair.b[...]
+    lifted = ml.transform(recorder.backend, lambda p: p.a[...].sum())
+    assert float(lifted(pair)) == 28.0
+    assert pair.b[...] is b_before  # nothing written back when nothing changed
+    jaxpr = str(lifted.trace(pair).jaxpr)
+    assert jaxpr.count("f32[8,4]") == 1  # b goes in, but does not come out
+
+
+def test_pytree_of_arrays_with_a_plan():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    params = {"dense": {"kernel": jnp.ones((8, 8)), "bias": jnp.zeros(8)}}
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    lifted = ml.transform("jit", lambda p: p, mesh=mesh, in_specs=(plan,), out_specs=plan)
+    with pytest.raises(ml.PlanError, match="not a prefix|does not match"):
+        ml.transform("jit", lambda p: p, mesh=mesh, in_specs=((plan, plan),))(params)
+    out = lifted(params)
+    assert out["dense"]["kernel"].sharding.spec == P(None, "model")
+
+
+def test_unknown_backend_lists_installed_ones():
+    with pytest.raises(ml.BackendNotFoundError, match="pip install meshlift-shard-map") as info:
+        ml.transform("shard_map", lambda x: x)
+    assert "jit" in str(info.value)
