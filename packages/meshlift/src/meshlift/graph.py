@@ -36,6 +36,7 @@ from meshlift.sharding import format_path
 # was tested on; any other version goes through the public API.
 FAST_PATH_FLAX_VERSIONS = frozenset({"0.12.8"})
 _read_raw = operator.attrgetter("_raw_value")
+_read_metadata = operator.attrgetter("_var_metadata")
 _write_raw = nnx.Variable._raw_value.__set__  # type: ignore[attr-defined]
 
 
@@ -63,19 +64,32 @@ class GraphSplit:
         self.paths: tuple[tuple[Hashable, ...], ...] = tuple(flat.paths)
         self.variables: tuple[Any, ...] = tuple(flat.leaves)
         self.key = fingerprint(self.graphdef)
-        self.fast = flax.__version__ in FAST_PATH_FLAX_VERSIONS and all(
+        pinned = flax.__version__ in FAST_PATH_FLAX_VERSIONS
+        self.fast = pinned and all(
             isinstance(v, nnx.Variable) and not v.hijax and not v.ref for v in self.variables
         )
-        self._dicts, self._lists = _mutable_containers(nodes)
+        # get_metadata() copies; the pinned versions can read the dict itself.
+        self._read_metadata = _read_metadata if pinned else operator.methodcaller("get_metadata")
+        self._dicts, self._lists, self._watched_variables = _mutable_containers(nodes)
+        self._containers = [*self._dicts, *self._lists]
+        self._lengths = list(map(len, self._containers))
         self._snapshot = self._contents()
+        self._metadata_copies = [dict(self._read_metadata(v)) for v in self._watched_variables]
 
     # -- per call ---------------------------------------------------------
     def unchanged(self) -> bool:
         """True if no attribute of any node was added, removed or replaced since the split."""
+        if list(map(len, self._containers)) != self._lengths:
+            return False
         current = self._contents()
-        return len(current) == len(self._snapshot) and all(
-            map(operator.is_, current, self._snapshot)
-        )
+        if not all(map(operator.is_, current, self._snapshot)):
+            return False
+        # Variable metadata holds plain data (names, specs, meshes): equal means same structure.
+        metadata = list(map(self._read_metadata, self._watched_variables))
+        try:
+            return all(map(operator.eq, metadata, self._metadata_copies))
+        except Exception:  # an array in the metadata compared elementwise: call it changed
+            return False
 
     def gather(self) -> tuple[Any, ...]:
         """The current array of every Variable, in split order."""
@@ -124,34 +138,64 @@ class GraphSplit:
         return "; ".join(sorted(lines)) or "the node types or Variable metadata changed"
 
     def _contents(self) -> list[Any]:
-        dicts = self._dicts
-        current = list(chain.from_iterable(dicts))
-        current += chain.from_iterable(map(dict.values, dicts))
+        """Every key and value of the watched dicts and lists (lengths are checked apart)."""
+        current = list(chain.from_iterable(self._dicts))
+        current += chain.from_iterable(map(dict.values, self._dicts))
         current += chain.from_iterable(self._lists)
         return current
 
 
-def _mutable_containers(nodes: Any) -> tuple[list[dict[Any, Any]], list[list[Any]]]:
-    """The dicts and lists that hold the structure of ``nodes`` (what a user can mutate)."""
+# Not looked into: functions and modules, and flax's immutable mappings (replaced, not mutated).
+_OPAQUE = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    graphlib.HashableMapping,
+)
+
+
+def _mutable_containers(nodes: Any) -> tuple[list[dict], list[list], list[nnx.Variable]]:
+    """Every dict, list and Variable whose contents fix the structure of ``nodes``.
+
+    That is the attributes of every node, each Variable's metadata, and the
+    insides of mutable static values (a config dataclass stored on a module):
+    what a user can change between calls without replacing a watched object.
+    """
     dicts: list[dict[Any, Any]] = []
     lists: list[list[Any]] = []
+    variables: list[nnx.Variable] = []
+    seen: set[int] = set()
 
-    def watch(container: Any) -> None:
-        if type(container) is dict:
-            dicts.append(container)
-        elif type(container) is list:
-            lists.append(container)
-
-    for _, node in nnx.graph.iter_graph(nodes):
-        if isinstance(node, nnx.Variable) or not graphlib.is_node(node):
-            continue
-        watch(node)
-        attributes = getattr(node, "__dict__", None)
-        if attributes is not None:
+    def watch(obj: Any) -> None:
+        if id(obj) in seen or isinstance(obj, _ATOMS + _OPAQUE):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nnx.Variable):
+            variables.append(obj)  # its metadata is compared by value, see unchanged()
+            return
+        if hasattr(obj, "shape"):  # an array: its value is data, not structure
+            return
+        children: Iterable[Any]
+        if type(obj) is dict:
+            dicts.append(obj)
+            children = obj.values()
+        elif type(obj) is list:
+            lists.append(obj)
+            children = obj
+        elif isinstance(obj, tuple):
+            children = obj
+        else:
+            attributes = getattr(obj, "__dict__", None)
+            if type(attributes) is not dict:
+                return
             dicts.append(attributes)
-            for value in attributes.values():
-                watch(value)  # e.g. nnx.State keeps its entries in a plain dict
-    return dicts, lists
+            children = attributes.values()
+        for child in children:
+            watch(child)
+
+    watch(nodes)
+    return dicts, lists, variables
 
 
 def _path_fingerprints(nodes: Any) -> dict[tuple[Hashable, ...], Any]:
@@ -212,6 +256,13 @@ def _fingerprint(x: Any, active: set[int]) -> Hashable:
         active.discard(id(x))
 
 
+def _cell_fingerprint(cell: types.CellType, active: set[int]) -> Hashable:
+    try:
+        return _fingerprint(cell.cell_contents, active)
+    except ValueError:  # a name the function uses but that is not assigned yet
+        return ("empty cell",)
+
+
 def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
     fp = functools.partial(_fingerprint, active=active)
     if isinstance(x, list | tuple):
@@ -219,7 +270,7 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
     if isinstance(x, dict | graphlib.HashableMapping):
         return (type(x), tuple((fp(k), fp(v)) for k, v in x.items()))
     if isinstance(x, types.FunctionType):
-        cells = tuple(fp(c.cell_contents) for c in x.__closure__ or ())
+        cells = tuple(_cell_fingerprint(c, active) for c in x.__closure__ or ())
         return (types.FunctionType, x.__code__, cells, fp(x.__defaults__), fp(x.__kwdefaults__))
     if isinstance(x, functools.partial):
         return (functools.partial, fp(x.func), fp(x.args), fp(x.keywords))

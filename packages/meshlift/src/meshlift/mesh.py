@@ -28,6 +28,7 @@ def make_mesh(
     """Make a device mesh with ``Auto`` axis types (``jax.make_mesh`` defaults to Explicit).
 
     ``axis_shapes`` is ``{"data": 2, "model": 4}`` or ``(2, 4)`` with ``axis_names``.
+    A mesh smaller than the device count uses the first devices, as ``jax.make_mesh`` does.
 
     Example::
 
@@ -50,7 +51,7 @@ def make_mesh(
     for size in axis_shapes:
         needed *= size
     available = len(devices) if devices is not None else jax.device_count()
-    if needed != available:
+    if needed > available:
         raise ValueError(
             f"a mesh of shape {dict(zip(axis_names, axis_shapes, strict=True))} needs {needed} "
             f"devices, but {available} are available; on CPU set "
