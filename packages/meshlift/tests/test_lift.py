@@ -74,7 +74,7 @@ def test_pytree_of_arrays_with_a_plan():
     params = {"dense": {"kernel": jnp.ones((8, 8)), "bias": jnp.zeros(8)}}
     plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
     lifted = ml.transform("jit", lambda p: p, mesh=mesh, in_specs=(plan,), out_specs=plan)
-    with pytest.raises(ml.PlanError, match="not a prefix|does not match"):
+    with pytest.raises(ml.PlanError, match="does not match the arguments"):
         ml.transform("jit", lambda p: p, mesh=mesh, in_specs=((plan, plan),))(params)
     out = lifted(params)
     assert out["dense"]["kernel"].sharding.spec == P(None, "model")
