@@ -1,0 +1,22 @@
+"""Every python block in docs/ runs; blocks of one page share a namespace, in order."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PAGES = sorted(DOCS.glob("**/*.md"))
+
+
+def blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+def test_page_runs(page):
+    code = blocks(page)
+    assert code, f"{page} has no python blocks to run"
+    namespace: dict = {"__name__": f"__docs_{page.stem}__"}
+    for i, block in enumerate(code):
+        exec(compile(block, f"{page}:block{i}", "exec"), namespace)
