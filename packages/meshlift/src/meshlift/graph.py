@@ -42,7 +42,14 @@ _write_raw = nnx.Variable._raw_value.__set__  # type: ignore[attr-defined]
 
 def is_graph_leaf(x: Any) -> bool:
     """True for what split/merge handles: NNX graph nodes (modules, optimizers, Rngs) and Variables."""
-    return isinstance(x, nnx.Variable) or type(x) in graphlib.GRAPH_REGISTRY
+    return _is_graph_type(type(x))
+
+
+@functools.cache
+def _is_graph_type(cls: type) -> bool:
+    # Cached per type: isinstance through flax's metaclass is slow on the per-call path.
+    # Node types register when their class is created, before any instance reaches here.
+    return issubclass(cls, nnx.Variable) or cls in graphlib.GRAPH_REGISTRY
 
 
 class StructureChangedError(RuntimeError):
