@@ -61,15 +61,15 @@ def max_abs_diff(a, b) -> float:
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(leaves_a, leaves_b, strict=True))
 
 
+def tensor_parallel_step(mesh):
+    specs = (TENSOR_PARALLEL, TENSOR_PARALLEL, P("data"), P("data"))
+    return ml.jit(train_step, in_shardings=specs, out_shardings=P(), mesh=mesh)
+
+
 def test_tensor_parallel_adam_matches_single_device_and_the_plan(mesh):
     x, y = data()
     model, opt = fresh()
-    step = ml.jit(
-        train_step,
-        in_shardings=(TENSOR_PARALLEL, TENSOR_PARALLEL, P("data"), P("data")),
-        out_shardings=P(),
-        mesh=mesh,
-    )
+    step = tensor_parallel_step(mesh)
     ref_model, ref_opt = fresh()
     ref_step = nnx.jit(train_step)  # plain flax, one device
     for _ in range(5):
@@ -345,12 +345,7 @@ def test_works_as_a_method():
 def test_stages_lower_compile_and_call_with_modules(mesh):
     x, y = data()
     model, opt = fresh()
-    step = ml.jit(
-        train_step,
-        in_shardings=(TENSOR_PARALLEL, TENSOR_PARALLEL, P("data"), P("data")),
-        out_shardings=P(),
-        mesh=mesh,
-    )
+    step = tensor_parallel_step(mesh)
     traced = step.trace(model, opt, x, y)
     assert "dot_general" in str(traced.jaxpr)
     lowered = traced.lower()

@@ -80,7 +80,7 @@ class GraphSplit:
         self._dicts, self._lists, self._watched_variables = _mutable_containers(nodes)
         self._containers = [*self._dicts, *self._lists]
         self._lengths = list(map(len, self._containers))
-        self._snapshot = self._contents()
+        self._keys, self._values = self._contents()
         self._metadata_copies = [dict(self._read_metadata(v)) for v in self._watched_variables]
 
     # -- per call ---------------------------------------------------------
@@ -88,8 +88,9 @@ class GraphSplit:
         """True if no attribute of any node was added, removed or replaced since the split."""
         if list(map(len, self._containers)) != self._lengths:
             return False
-        current = self._contents()
-        if not all(map(operator.is_, current, self._snapshot)):
+        keys, values = self._contents()
+        # Keys are names, so equality is right (and fast); values must be the same objects.
+        if keys != self._keys or not all(map(operator.is_, values, self._values)):
             return False
         # Variable metadata holds plain data (names, specs, meshes): equal means same structure.
         metadata = list(map(self._read_metadata, self._watched_variables))
@@ -144,12 +145,11 @@ class GraphSplit:
         lines += [f"changed `{show(p)}`" for p in old.keys() & new.keys() if old[p] != new[p]]
         return "; ".join(sorted(lines)) or "the node types or Variable metadata changed"
 
-    def _contents(self) -> list[Any]:
-        """Every key and value of the watched dicts and lists (lengths are checked apart)."""
-        current = list(chain.from_iterable(self._dicts))
-        current += chain.from_iterable(map(dict.values, self._dicts))
-        current += chain.from_iterable(self._lists)
-        return current
+    def _contents(self) -> tuple[list[Any], list[Any]]:
+        """The keys, and the values, of the watched dicts and lists (lengths are checked apart)."""
+        values = list(chain.from_iterable(map(dict.values, self._dicts)))
+        values += chain.from_iterable(self._lists)
+        return list(chain.from_iterable(self._dicts)), values
 
 
 # Not looked into: functions and modules, and flax's immutable mappings (replaced, not mutated).

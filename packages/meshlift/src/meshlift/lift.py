@@ -29,7 +29,14 @@ from meshlift.backend import Backend, StageSpec
 from meshlift.graph import GraphSplit, StructureChangedError, fingerprint, is_graph_leaf
 from meshlift.mesh import current_mesh
 from meshlift.plugins import get_backend
-from meshlift.sharding import PlanError, StateSharding, format_path, is_spec, to_sharding
+from meshlift.sharding import (
+    PlanError,
+    StateSharding,
+    format_path,
+    is_spec,
+    to_sharding,
+    value_shape,
+)
 
 _MAX_BINDINGS = 8  # argument structures remembered per lifted function
 
@@ -392,7 +399,7 @@ class _Binding:
                 elif origin[i][1] != spec:
                     raise PlanError(
                         f"the shared Variable at `{origin[i][0]}` and `{full}` (shape "
-                        f"{_shape(variable)}) is given two specs, {origin[i][1]} and {spec}, on "
+                        f"{value_shape(variable)}) is given two specs, {origin[i][1]} and {spec}, on "
                         f"mesh {_mesh_shape(self.mesh)}; give both paths the same spec"
                     )
         dyn_specs = {}
@@ -663,12 +670,6 @@ def _variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:
             if path[: len(first)] == first:
                 pairs += [((*other, *path[len(first) :]), variable) for other in others]
     return pairs
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    if isinstance(value, nnx.Variable):
-        value = value.get_raw_value()
-    return tuple(getattr(value, "shape", ()))
 
 
 def _mesh_shape(mesh: Any) -> Any:

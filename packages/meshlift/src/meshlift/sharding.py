@@ -145,7 +145,7 @@ class StateSharding:
                 return spec
         raise PlanError(
             f"no filter of the plan matches `{format_path(path)}` "
-            f"({type(value).__name__}, shape {_shape(value)}); the plan's filters are "
+            f"({type(value).__name__}, shape {value_shape(value)}); the plan's filters are "
             f"{[f for f, _, _ in self.rules]}. Add a rule for it, or end the plan with "
             f"`...: P()` to replicate everything not listed."
         )
@@ -171,11 +171,11 @@ def _check_spec_type(spec: Any, filter_: Any) -> Spec:
     )
 
 
-def _shape(value: Any) -> tuple[int, ...] | str:
+def value_shape(value: Any) -> tuple[int, ...]:
+    """The shape of an array, a Variable's array, or ``()`` for a Python scalar."""
     if isinstance(value, nnx.Variable):
         value = value.get_raw_value()
-    shape = getattr(value, "shape", None)
-    return tuple(shape) if shape is not None else "scalar"
+    return tuple(getattr(value, "shape", ()))
 
 
 def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
@@ -246,8 +246,8 @@ def to_sharding(spec: Spec, mesh: Any, path: str, value: Any) -> Sharding | None
         mesh, spec = named.mesh, named.spec
     if not isinstance(spec, PartitionSpec):
         return spec  # another kind of Sharding: JAX checks it
-    shape = _shape(value) if value is not None else None
-    problems = spec_problems(spec, () if shape == "scalar" else shape, dict(mesh.shape))
+    shape = value_shape(value) if value is not None else None
+    problems = spec_problems(spec, shape, dict(mesh.shape))
     if problems:
         raise PlanError(
             f"cannot shard `{path}` (shape {shape}) with spec {spec} on mesh "
