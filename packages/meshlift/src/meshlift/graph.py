@@ -93,9 +93,8 @@ class GraphSplit:
         if keys != self._keys or not all(map(operator.is_, values, self._values)):
             return False
         # Variable metadata holds plain data (names, specs, meshes): equal means same structure.
-        metadata = list(map(self._read_metadata, self._watched_variables))
         try:
-            return all(map(operator.eq, metadata, self._metadata_copies))
+            return list(map(self._read_metadata, self._watched_variables)) == self._metadata_copies
         except Exception:  # an array in the metadata compared elementwise: call it changed
             return False
 
