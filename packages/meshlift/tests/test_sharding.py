@@ -266,17 +266,17 @@ def test_spec_problems_rank_too_long():
 
 def test_spec_problems_unknown_axis():
     assert spec_problems(P("batch"), (4,), MESH_SHAPE) == [
-        "mesh axis 'batch' is not in the mesh (axes ['data', 'model']); "
-        "use one of those names or another mesh"
+        "mesh axis 'batch' is not in the mesh (axes ['data', 'model']); did you forget to "
+        "declare the mesh? Use one of its axis names or a mesh that has it"
     ]
 
 
 def test_spec_problems_axis_used_twice():
     assert spec_problems(P("model", "model"), (4, 8), MESH_SHAPE) == [
-        "mesh axis 'model' is used twice; a mesh axis can shard at most one dimension"
+        "mesh axis 'model' is used twice: a single sharding specification can map every mesh axis to at most one positional dimension"
     ]
     assert spec_problems(P(("data", "data")), (8,), MESH_SHAPE) == [
-        "mesh axis 'data' is used twice; a mesh axis can shard at most one dimension"
+        "mesh axis 'data' is used twice: a single sharding specification can map every mesh axis to at most one positional dimension"
     ]
 
 
@@ -302,8 +302,8 @@ def test_spec_problems_reports_every_problem():
 def test_spec_problems_without_a_shape_checks_only_the_axes():
     assert spec_problems(P(None, "model"), None, MESH_SHAPE) == []
     assert spec_problems(P("batch"), None, MESH_SHAPE) == [
-        "mesh axis 'batch' is not in the mesh (axes ['data', 'model']); "
-        "use one of those names or another mesh"
+        "mesh axis 'batch' is not in the mesh (axes ['data', 'model']); did you forget to "
+        "declare the mesh? Use one of its axis names or a mesh that has it"
     ]
 
 
@@ -340,7 +340,7 @@ def test_to_sharding_error_names_path_shape_spec_and_mesh(mesh, spec, shape, pro
         to_sharding(spec, mesh, "model.linear.kernel", jnp.zeros(shape))
     message = str(info.value)
     assert message.startswith(
-        f"cannot shard `model.linear.kernel` (shape {shape}) with spec {spec} "
+        f"cannot shard `model.linear.kernel` (shape {shape}) with sharding {spec} "
         f"on mesh {{'data': 2, 'model': 4}}: "
     )
     assert problem in message
@@ -368,7 +368,7 @@ def test_invalid_named_sharding_is_checked_on_its_own_mesh(mesh):
     with pytest.raises(PlanError) as info:
         to_sharding(named, ml.make_mesh({"x": 8}), "x", jnp.zeros((6,)))
     assert str(info.value).startswith(
-        "cannot shard `x` (shape (6,)) with spec P('model',) on mesh {'data': 2, 'model': 4}: "
+        "cannot shard `x` (shape (6,)) with sharding P('model',) on mesh {'data': 2, 'model': 4}: "
         "dimension 0 (size 6) is not divisible by 4"
     )
 

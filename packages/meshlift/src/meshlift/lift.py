@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from flax import nnx
 from flax.nnx import graphlib
-from jax.sharding import Sharding
+from jax.sharding import AbstractMesh, Mesh, Sharding
 
 from meshlift.backend import Backend, StageSpec
 from meshlift.graph import GraphSplit, StructureChangedError, fingerprint, is_graph_leaf
@@ -73,6 +73,10 @@ class Lifted:
     Calling it runs the staged function and writes updated Variables back;
     ``trace``, ``lower`` and ``eval_shape`` give JAX's stages, wrapped so that
     compiled objects are called with modules too.
+
+    ``mesh`` is a mesh, a function returning one at each call (how a backend
+    reads a call-site context), or None for the mesh of ``ml.use_mesh``.
+    ``spec_names`` are the front end's names for the specs, used in errors.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Lifted:
         donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         options: Mapping[str, Any] | None = None,
+        spec_names: tuple[str, str] = ("in_specs", "out_specs"),
     ):
         if not callable(fun):
             raise TypeError(f"expected a function to lift, got {type(fun).__name__}: {fun!r}")
@@ -98,6 +103,7 @@ class Lifted:
         self.out_specs = out_specs
         self.mesh = mesh
         self.options = dict(options or {})
+        self.in_name, self.out_name = spec_names
         self.param_names = _parameter_names(fun)
         self.static_argnums, self.static_argnames = _infer_argnums_and_argnames(
             self.param_names, static_argnums, static_argnames
@@ -142,7 +148,7 @@ class Lifted:
             args, kwargs, statics = self._pop_statics(args, kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
         node_ids = tuple(id(leaf) for leaf in leaves if is_graph_leaf(leaf))
-        mesh = self.mesh if self.mesh is not None else current_mesh()
+        mesh = self._call_site_mesh()
         key = (treedef, statics, node_ids, mesh)
         binding = self._bindings.get(key)
         if binding is None or not binding.split.unchanged():
@@ -151,6 +157,14 @@ class Lifted:
             if len(self._bindings) > _MAX_BINDINGS:
                 self._bindings.popitem(last=False)
         return binding, leaves
+
+    def _call_site_mesh(self) -> Any:
+        """``mesh=`` if given (called, if it is a function), else the ``ml.use_mesh`` mesh."""
+        if self.mesh is None:
+            return current_mesh()
+        if isinstance(self.mesh, Mesh | AbstractMesh):
+            return self.mesh
+        return self.mesh()
 
     def _pop_statics(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -379,7 +393,8 @@ class _Binding:
     ) -> tuple[tuple[Sharding | None, ...], dict[int, Sharding | None]]:
         """One sharding per Variable (split order) and per other leaf (by leaf position)."""
         positional = _positional_prefix(self.lifted, args)
-        prefix = _broadcast_prefix(positional, args, "in_specs")
+        in_name = self.lifted.in_name
+        prefix = _broadcast_prefix(positional, args, in_name, "arguments")
         prefix += [None] * (len(leaves) - len(prefix))  # kwargs take no specs, as in jax.jit
         var_index = {id(v): i for i, v in enumerate(self.split.variables)}
         var_specs: list[Sharding | None] = [None] * len(var_index)
@@ -395,7 +410,7 @@ class _Binding:
                 i = var_index[id(variable)]
                 if i not in origin:
                     origin[i] = (full, spec)
-                    var_specs[i] = to_sharding(spec, self.mesh, full, variable)
+                    var_specs[i] = to_sharding(spec, self.mesh, full, variable, in_name)
                 elif origin[i][1] != spec:
                     raise PlanError(
                         f"the shared Variable at `{origin[i][0]}` and `{full}` (shape "
@@ -407,7 +422,8 @@ class _Binding:
             spec = prefix[pos]
             if isinstance(spec, StateSharding):
                 spec = spec.spec_for(tuple(self.leaf_paths[pos].split(".")), leaves[pos])
-            dyn_specs[pos] = to_sharding(spec, self.mesh, self.leaf_paths[pos], leaves[pos])
+            path = self.leaf_paths[pos]
+            dyn_specs[pos] = to_sharding(spec, self.mesh, path, leaves[pos], in_name)
         return tuple(var_specs), dyn_specs
 
     def _resolve_out_specs(self, leaves: list[Any]) -> Any:
@@ -415,12 +431,16 @@ class _Binding:
         out_specs = self.lifted.out_specs
         if not any(isinstance(s, StateSharding | Mapping) for s in _spec_leaves(out_specs)):
             return jax.tree.map(
-                lambda s: to_sharding(s, self.mesh, "output", None), out_specs, is_leaf=is_spec
+                lambda s: to_sharding(s, self.mesh, "output", None, self.lifted.out_name),
+                out_specs,
+                is_leaf=is_spec,
             )
         abstract_inputs = jax.tree.map(_abstract, self.inputs(leaves))
         _, user_out, aux = jax.eval_shape(self._pure_function(), *abstract_inputs)
         abstract_out = _decode_outputs(user_out, aux.info, self.abstract_index_map())
-        return _output_leaf_specs(out_specs, abstract_out, aux.info, self.mesh)
+        return _output_leaf_specs(
+            out_specs, abstract_out, aux.info, self.mesh, self.lifted.out_name
+        )
 
 
 class Traced:
@@ -625,14 +645,14 @@ def _positional_prefix(lifted: Lifted, args: tuple[Any, ...]) -> Any:
     )
 
 
-def _broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> list[Any]:
+def _broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = "") -> list[Any]:
     """One spec per leaf of ``tree`` (graph nodes are leaves) from a prefix of it."""
     if is_graph_leaf(tree) and isinstance(prefix, Mapping):
         prefix = StateSharding.from_state(prefix)
     if is_spec(prefix) or is_graph_leaf(tree):
         if not is_spec(prefix):
             raise PlanError(
-                f"{what} at `{path or '<root>'}` is a {type(prefix).__name__} but the argument "
+                f"{what} at `{path or '<root>'}` is a {type(prefix).__name__} but the value "
                 f"there is a {type(tree).__name__}; use a PartitionSpec or a StateSharding"
             )
         return [prefix] * len(jax.tree.leaves(tree, is_leaf=is_graph_leaf))
@@ -641,16 +661,16 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> list
             return [
                 spec
                 for i, (p, t) in enumerate(zip(prefix, tree, strict=True))
-                for spec in _broadcast_prefix(p, t, what, f"{path}[{i}]")
+                for spec in _broadcast_prefix(p, t, what, noun, f"{path}[{i}]")
             ]
     elif isinstance(prefix, Mapping) and isinstance(tree, Mapping) and set(prefix) == set(tree):
         return [
             spec
             for k in sorted(tree)
-            for spec in _broadcast_prefix(prefix[k], tree[k], what, f"{path}.{k}".lstrip("."))
+            for spec in _broadcast_prefix(prefix[k], tree[k], what, noun, f"{path}.{k}".lstrip("."))
         ]
     raise PlanError(
-        f"{what} does not match the {'output' if what == 'out_specs' else 'arguments'} at "
+        f"{what} does not match the {noun} at "
         f"`{path or '<root>'}`: the spec is {prefix!r} but the value is a "
         f"{type(tree).__name__}; a spec tree must be a prefix of it (one entry per tuple "
         f"element or dict key)"
@@ -710,9 +730,11 @@ def _decode_outputs(user_out: Any, info: _TraceInfo, index_map: graphlib.IndexMa
     return info.out_treedef.unflatten(items)
 
 
-def _output_leaf_specs(out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh: Any) -> Any:
+def _output_leaf_specs(
+    out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh: Any, what: str
+) -> Any:
     """Shardings for the encoded output, with a plan resolved per Variable of output modules."""
-    prefix = _broadcast_prefix(out_specs, abstract_out, "out_specs")
+    prefix = _broadcast_prefix(out_specs, abstract_out, what, "output")
     leaves = info.out_treedef.flatten_up_to(abstract_out)
     keypaths = [
         k for k, _ in jax.tree_util.tree_flatten_with_path(abstract_out, is_leaf=is_graph_leaf)[0]
@@ -723,7 +745,7 @@ def _output_leaf_specs(out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh
             path = tuple(map(_key_name, keypaths[i]))
             if isinstance(spec, StateSharding):
                 spec = spec.spec_for(path, leaf)
-            result.append(to_sharding(spec, mesh, format_path(("output", *path)), leaf))
+            result.append(to_sharding(spec, mesh, format_path(("output", *path)), leaf, what))
             continue
         variables = dict(_variable_paths(leaf))
         shardings = []
@@ -732,7 +754,7 @@ def _output_leaf_specs(out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh
                 spec.spec_for(path, variables[path]) if isinstance(spec, StateSharding) else spec
             )
             shardings.append(
-                to_sharding(leaf_spec, mesh, f"output.{format_path(path)}", variables[path])
+                to_sharding(leaf_spec, mesh, f"output.{format_path(path)}", variables[path], what)
             )
         result.append(tuple(shardings))
     return info.out_treedef.unflatten(result)

@@ -192,7 +192,10 @@ def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def spec_problems(
-    spec: PartitionSpec, shape: Sequence[int] | None, mesh_shape: Mapping[str, int]
+    spec: PartitionSpec,
+    shape: Sequence[int] | None,
+    mesh_shape: Mapping[str, int],
+    what: str = "sharding",
 ) -> list[str]:
     """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can.
 
@@ -211,12 +214,13 @@ def spec_problems(
         for axis in axes:
             if axis not in mesh_shape:
                 problems.append(
-                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); "
-                    f"use one of those names or another mesh"
+                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); did you "
+                    f"forget to declare the mesh? Use one of its axis names or a mesh that has it"
                 )
             elif axis in seen:
                 problems.append(
-                    f"mesh axis {axis!r} is used twice; a mesh axis can shard at most one dimension"
+                    f"mesh axis {axis!r} is used twice: a single {what} specification can map "
+                    f"every mesh axis to at most one positional dimension"
                 )
             seen.add(axis)
         size = math.prod(mesh_shape.get(axis, 1) for axis in axes)
@@ -228,10 +232,13 @@ def spec_problems(
     return problems
 
 
-def to_sharding(spec: Spec, mesh: Any, path: str, value: Any) -> Sharding | None:
+def to_sharding(
+    spec: Spec, mesh: Any, path: str, value: Any, what: str = "sharding"
+) -> Sharding | None:
     """Resolve a leaf spec to a ``Sharding`` for ``value`` at ``path``, validating it.
 
-    Raises a PlanError naming the path, shape, spec and mesh. With ``value``
+    Raises a PlanError naming the path, shape, spec and mesh, calling the spec
+    by the transform's own argument name ``what``. With ``value``
     None (an output whose shape is not known yet) only the mesh axes are checked.
     """
     if spec is None:
@@ -247,10 +254,10 @@ def to_sharding(spec: Spec, mesh: Any, path: str, value: Any) -> Sharding | None
     if not isinstance(spec, PartitionSpec):
         return spec  # another kind of Sharding: JAX checks it
     shape = value_shape(value) if value is not None else None
-    problems = spec_problems(spec, shape, dict(mesh.shape))
+    problems = spec_problems(spec, shape, dict(mesh.shape), what)
     if problems:
         raise PlanError(
-            f"cannot shard `{path}` (shape {shape}) with spec {spec} on mesh "
+            f"cannot shard `{path}` (shape {shape}) with {what} {spec} on mesh "
             f"{dict(mesh.shape)}: " + "; ".join(problems)
         )
     return named or NamedSharding(mesh, spec)

@@ -82,8 +82,8 @@ def jit(
         if value != default
     }
     lift = functools.partial(
-        ml.transform,
-        BACKEND,
+        ml.Lifted,
+        backend=BACKEND,
         mesh=mesh,
         in_specs=in_shardings,
         out_specs=out_shardings,
@@ -91,9 +91,10 @@ def jit(
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
-        **options,
+        options=options,
+        spec_names=("in_shardings", "out_shardings"),
     )
-    return lift() if fun is None else lift(fun)
+    return lift if fun is None else lift(fun)
 
 
 BACKEND = ml.Backend(
