@@ -40,6 +40,27 @@ def jit(fun: Any = None, /, **kwargs: Any) -> Any:
     return get_backend("jit").frontend(fun, **kwargs)
 
 
+def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
+    """``jax.shard_map`` lifted over stateful models; needs the ``meshlift-shard-map`` backend.
+
+    Example::
+
+        f = ml.shard_map(fn, mesh=mesh, in_specs=(plan, P("data")), out_specs=P("data"))
+    """
+    return get_backend("shard_map").frontend(f, **kwargs)
+
+
+def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """Old ``pjit`` semantics (mesh from the call site) on today's JAX; needs ``meshlift-pjit``.
+
+    Example::
+
+        with ml.use_mesh(mesh):
+            g = ml.pjit(fn, in_axis_resources=(plan, P("data")), out_axis_resources=P("data"))
+    """
+    return get_backend("pjit").frontend(fun, *args, **kwargs)
+
+
 __all__ = [
     "Backend",
     "BackendNotFoundError",
@@ -59,7 +80,9 @@ __all__ = [
     "jit",
     "make_mesh",
     "path_endswith",
+    "pjit",
     "plugins",
+    "shard_map",
     "transform",
     "use_mesh",
 ]
