@@ -103,7 +103,7 @@ BACKEND = ml.Backend(
     frontend=jit,
     version=__version__,
     distribution="meshlift-jit",
-    capabilities={"auto-partitioning", "stages", "donation", "multi-process"},
+    capabilities={"auto-partitioning", "global-rng", "stages", "donation", "multi-process"},
     description="jax.jit with shardings from the plan; the compiler inserts collectives",
 )
 
