@@ -52,6 +52,60 @@ for _name, _path in PACKAGES.items():
     package_tests(_name, _path)
 
 
+# Where the integration suite runs: 8 simulated CPU devices, or the machine's accelerators.
+DEVICE_KINDS = {"cpu8": XLA_ENV, "gpu": {}}
+
+
+@nox.session
+@nox.parametrize(
+    ("backend", "devices"),
+    [
+        nox.param(
+            backend,
+            devices,
+            id=f"backend='{backend}', devices='{devices}'",
+            tags=[backend, devices],
+        )
+        for backend in BACKENDS
+        for devices in DEVICE_KINDS
+    ],
+)
+def integration(session: nox.Session, backend: str, devices: str) -> None:
+    """The model x mesh matrix with one backend installed (nox -t jit, nox -t cpu8)."""
+    if devices == "gpu":
+        require_accelerator(session)
+    packages = [PACKAGES["core"], PACKAGES[backend]]
+    session.install("-c", "constraints.txt", *(a for p in packages for a in ("-e", p)), "pytest")
+    if devices == "gpu":
+        session.install("-c", "constraints.txt", "jax[cuda12]")
+    session.run(
+        "pytest", "integration_tests/test_matrix.py", *session.posargs, env=DEVICE_KINDS[devices]
+    )
+
+
+def require_accelerator(session: nox.Session) -> None:
+    """Skip, saying why, on a machine without an NVIDIA GPU (before a large install)."""
+    import shutil
+    import subprocess
+
+    found = (
+        shutil.which("nvidia-smi")
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+    )
+    if not found:
+        session.skip(
+            "found no GPU: nvidia-smi lists none, so there is nothing to run the "
+            "suite on; use devices='cpu8' on this machine"
+        )
+    session.log(f"accelerators: {found}")
+
+
+@nox.session(tags=["multiprocess"])
+def multiprocess(session: nox.Session) -> None:
+    """Two jax.distributed processes x 4 CPU devices on 127.0.0.1, every backend."""
+    run_pytest(session, "integration_tests/test_multiprocess.py")
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Dispatch-overhead benchmark: python benchmarks/dispatch.py [posargs]."""

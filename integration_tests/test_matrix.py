@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
 
-MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]
+# (data, model) shapes; those needing more devices than there are are left out, so a
+# one-GPU machine runs 1x1 only (the test ids say which meshes ran).
+MESHES = [s for s in [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)] if s[0] * s[1] <= jax.device_count()]
 
 
 def mesh_of(shape: tuple[int, int]) -> jax.sharding.Mesh:

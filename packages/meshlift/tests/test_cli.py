@@ -134,7 +134,7 @@ def test_help_of_each_command_has_an_example(argv, expected, capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
 
-    assert "{backends,demo}" in capsys.readouterr().out
+    assert "{backends,demo,plan}" in capsys.readouterr().out
 
 
 def test_unknown_argument_is_a_usage_error(capsys):
@@ -154,3 +154,59 @@ def test_demo_passes_its_arguments_through(monkeypatch):
     assert main(["demo", "--steps", "3", "-v"]) == 3
     assert main(["demo", "--", "--help"]) == 3
     assert calls == [["--steps", "3", "-v"], ["--help"]]
+
+
+PLAN_MODELS = """
+    import jax, jax.numpy as jnp
+    import flax.linen as nn
+    from flax import nnx
+    import meshlift as ml
+
+    def make_nnx():
+        init = nnx.initializers.lecun_normal()
+        return nnx.Linear(16, 30, kernel_init=ml.with_partitioning(init, (None, "model")),
+                          rngs=nnx.Rngs(0))
+
+    def make_linen():
+        dense = nn.Dense(32, kernel_init=ml.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "hidden")))
+        return dense.init(jax.random.key(0), jnp.ones((2, 16)))
+"""
+
+
+@pytest.fixture
+def plan_models(tmp_path, monkeypatch):
+    (tmp_path / "plan_models_cli.py").write_text(textwrap.dedent(PLAN_MODELS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "plan_models_cli", raising=False)
+    return tmp_path
+
+
+def test_plan_lists_the_non_divisible_parameter(plan_models, capsys):
+    assert main(["plan", "plan_models_cli:make_nnx", "--mesh", "data=2,model=4"]) == 1
+    out = capsys.readouterr().out
+    assert "kernel" in out and "P(None, 'model')" in out and "not divisible by 4" in out
+
+
+def test_plan_with_rules_file_and_json(plan_models, capsys):
+    (plan_models / "rules.json").write_text('[["hidden", "model"], ["batch", "data"]]')
+    argv = [
+        "plan",
+        "plan_models_cli:make_linen",
+        "--mesh",
+        "data=2,model=4",
+        "--rules",
+        "rules.json",
+        "--json",
+    ]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    specs = {row["path"]: row["spec"] for row in data["rows"]}
+    assert specs == {"params.bias": [], "params.kernel": [None, "model"]}
+    assert data["problems"] == []
+
+
+def test_plan_bad_arguments(plan_models, capsys):
+    assert main(["plan", "plan_models_cli", "--mesh", "data=2"]) == 2
+    assert main(["plan", "plan_models_cli:make_nnx", "--mesh", "data2"]) == 2
+    assert "MODULE:FACTORY" in capsys.readouterr().err

@@ -198,11 +198,11 @@ def test_unknown_name_lists_installed_and_what_to_install(install):
     install("meshlift-broken", "0.3", {"broken": "import meshlift_no_such_module\n"})
 
     with pytest.raises(LookupError) as info:
-        ml.get_backend("shard_map")
+        ml.get_backend("not_published")
     assert isinstance(info.value, plugins.BackendNotFoundError)
     message = str(info.value)
-    assert "No meshlift backend named 'shard_map'" in message
-    assert "pip install meshlift-shard-map" in message
+    assert "No meshlift backend named 'not_published'" in message
+    assert "pip install meshlift-not-published" in message
     assert "good (meshlift-good 1.2.3)" in message
     assert "broken (meshlift-broken 0.3): ModuleNotFoundError" in message
 

@@ -15,10 +15,28 @@ from typing import Any
 
 from meshlift import plugins
 from meshlift.backend import Backend, StageSpec
+from meshlift.explain import Explanation, explain
 from meshlift.graph import StructureChangedError
 from meshlift.hookspecs import hookimpl
 from meshlift.lift import Compiled, Lifted, Lowered, Traced, transform
+from meshlift.logical import (
+    axis_rules,
+    logical_to_mesh,
+    logical_to_mesh_axes,
+    logical_to_mesh_sharding,
+    with_logical_constraint,
+)
 from meshlift.mesh import current_mesh, make_mesh, use_mesh
+from meshlift.metadata import (
+    add_axis,
+    get_partition_spec,
+    get_sharding,
+    remove_axis,
+    replace_boxed,
+    unbox,
+    with_logical_partitioning,
+    with_partitioning,
+)
 from meshlift.plugins import BackendNotFoundError, backends, get_backend
 from meshlift.sharding import PlanError, StateSharding, path_endswith
 
@@ -65,6 +83,7 @@ __all__ = [
     "Backend",
     "BackendNotFoundError",
     "Compiled",
+    "Explanation",
     "Lifted",
     "Lowered",
     "PlanError",
@@ -73,16 +92,30 @@ __all__ = [
     "StructureChangedError",
     "Traced",
     "__version__",
+    "add_axis",
+    "axis_rules",
     "backends",
     "current_mesh",
+    "explain",
     "get_backend",
+    "get_partition_spec",
+    "get_sharding",
     "hookimpl",
     "jit",
+    "logical_to_mesh",
+    "logical_to_mesh_axes",
+    "logical_to_mesh_sharding",
     "make_mesh",
     "path_endswith",
     "pjit",
     "plugins",
+    "remove_axis",
+    "replace_boxed",
     "shard_map",
     "transform",
+    "unbox",
     "use_mesh",
+    "with_logical_constraint",
+    "with_logical_partitioning",
+    "with_partitioning",
 ]

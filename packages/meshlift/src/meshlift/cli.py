@@ -6,6 +6,7 @@ Example::
     $ meshlift backends --json
     $ meshlift --version
     $ meshlift demo --help
+    $ meshlift plan mypkg.models:make_model --mesh data=2,model=4 [--rules rules.json] [--json]
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "backends":
         return _backends(as_json=args.json)
+    if args.command == "plan":
+        return _plan(args.target, args.mesh, args.rules, as_json=args.json)
     return _demo(rest[1:] if rest[:1] == ["--"] else rest)
 
 
@@ -68,7 +71,69 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  meshlift demo\n  meshlift demo -- --help",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    plan = commands.add_parser(
+        "plan",
+        help="explain a model's sharding plan on a mesh, without compiling",
+        description="Print one row per parameter of the model that MODULE:FACTORY returns\n"
+        "(a zero-argument callable giving an NNX module or a variable tree; it is\n"
+        "evaluated abstractly, so nothing is allocated or compiled) with the spec its\n"
+        "annotations give on the mesh. Exits with 1 when a spec does not fit.\n"
+        "The rules file is JSON: a list of [logical_name, mesh_axis or null] pairs.",
+        epilog="examples:\n  meshlift plan mymodels:make_mlp --mesh data=2,model=4\n"
+        "  meshlift plan mymodels:make_mlp --mesh data=2,model=4 --rules rules.json --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("target", metavar="MODULE:FACTORY", help="e.g. mypkg.models:make_model")
+    plan.add_argument("--mesh", required=True, help="mesh axes and sizes, e.g. data=2,model=4")
+    plan.add_argument("--rules", metavar="FILE", help="JSON list of [logical, mesh_axis] pairs")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
+
+
+def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool) -> int:
+    import importlib
+    import os
+    import sys
+
+    try:
+        mesh_shape = {
+            name.strip(): int(size) for name, size in (p.split("=") for p in mesh.split(","))
+        }
+    except ValueError:
+        print(f"error: --mesh {mesh!r} is not like data=2,model=4", file=sys.stderr)
+        return 2
+    module_name, sep, factory_name = target.partition(":")
+    if not sep or not module_name or not factory_name:
+        print(
+            f"error: {target!r} is not MODULE:FACTORY, e.g. mypkg.models:make_model",
+            file=sys.stderr,
+        )
+        return 2
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = importlib.import_module(module_name)
+        for part in factory_name.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as error:
+        print(f"error: cannot load {target!r}: {error}", file=sys.stderr)
+        return 2
+    rules = None
+    if rules_file is not None:
+        with open(rules_file) as f:
+            rules = [tuple(rule) for rule in json.load(f)]
+
+    from flax import nnx
+
+    import meshlift as ml
+
+    tree = nnx.eval_shape(factory)  # shapes and metadata only: nothing allocated or compiled
+    report = ml.explain(tree, rules, mesh_shape)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        Console(highlight=False).print(report)
+    return 0 if report.ok else 1
 
 
 def _backends(*, as_json: bool) -> int:

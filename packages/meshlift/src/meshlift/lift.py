@@ -669,12 +669,28 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = 
             for k in sorted(tree)
             for spec in _broadcast_prefix(prefix[k], tree[k], what, noun, f"{path}.{k}".lstrip("."))
         ]
+    else:  # any other pytree node (a flax struct such as TrainState): match it one level down
+        prefix_children, prefix_def = _one_level(prefix)
+        tree_children, tree_def = _one_level(tree)
+        is_node = not (len(prefix_children) == 1 and prefix_children[0][1] is prefix)
+        if is_node and prefix_def == tree_def:
+            return [
+                spec
+                for (key, p), (_, t) in zip(prefix_children, tree_children, strict=True)
+                for spec in _broadcast_prefix(p, t, what, noun, f"{path}.{key}".lstrip("."))
+            ]
     raise PlanError(
         f"{what} does not match the {noun} at "
         f"`{path or '<root>'}`: the spec is {prefix!r} but the value is a "
         f"{type(tree).__name__}; a spec tree must be a prefix of it (one entry per tuple "
         f"element or dict key)"
     )
+
+
+def _one_level(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """The (key, child) pairs of a pytree node, and its one-level treedef."""
+    children, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    return [(".".join(_key_name(k) for k in keys), child) for keys, child in children], treedef
 
 
 def _variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:

@@ -79,6 +79,22 @@ class _PathPrefix:
         return f"path {format_path(self.prefix)!r}"
 
 
+class _AnnotatedPath(path_endswith):
+    """The path of an annotated parameter, with or without the ``value`` field of its box.
+
+    A linen ``Partitioned`` box is a pytree node: transforms see its array at
+    ``params.Dense_0.kernel.value``, ``ml.unbox`` at ``params.Dense_0.kernel``.
+    """
+
+    def __call__(self, path: Path, value: Any = None) -> bool:
+        if super().__call__(path, value):
+            return True
+        return bool(path) and str(path[-1]) == "value" and super().__call__(path[:-1], value)
+
+    def __repr__(self) -> str:
+        return f"annotation {format_path(self.parts)!r}"
+
+
 def is_spec(x: Any) -> bool:
     """True for what can stand at a leaf of a sharding prefix tree."""
     return x is None or isinstance(x, PartitionSpec | Sharding | StateSharding)
@@ -137,6 +153,35 @@ class StateSharding:
         walk(specs, ())
         flat.sort(key=lambda item: -len(item[0]))
         return cls([(_PathPrefix(path), spec) for path, spec in flat])
+
+    @classmethod
+    def from_metadata(
+        cls, model_or_tree: Any, rules: Any = None, *, mesh: Any = None
+    ) -> StateSharding:
+        """The plan written in the model's own annotations, usable by every backend.
+
+        Reads NNX ``out_sharding`` metadata and linen ``Partitioned`` boxes (from
+        ``ml.with_partitioning`` or flax's functions) of a module, ``nnx.State``,
+        variable dict, ``TrainState`` or ``jax.eval_shape`` output. Logical names
+        are mapped by ``rules`` (else the parameter's own rules, then those of
+        ``ml.axis_rules``); with ``mesh`` (a Mesh or ``{"data": 2, ...}``), rules
+        for axes the mesh lacks are skipped. Each parameter matches by the end of
+        its path, so the plan of a model also shards its optimizer state;
+        unannotated arrays are replicated.
+
+        Example::
+
+            plan = ml.StateSharding.from_metadata(model)
+            step = ml.jit(train_step, in_shardings=(plan, plan, P("data")), mesh=mesh)
+        """
+        from meshlift.metadata import annotated_leaves  # metadata imports this module
+
+        items = [item for item in annotated_leaves(model_or_tree) if item.names is not None]
+        pairs = [
+            (_AnnotatedPath(*item.path), item.spec(rules, mesh)) for item in items if item.path
+        ]
+        pairs.sort(key=lambda pair: -len(pair[0].parts))  # the most specific path first
+        return cls([*pairs, (..., PartitionSpec())])
 
     def spec_for(self, path: Path, value: Any) -> Spec:
         """The spec of the first rule matching ``(path, value)``; a PlanError if none does."""

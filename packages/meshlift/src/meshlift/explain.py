@@ -1,0 +1,319 @@
+"""``ml.explain``: what a plan does to every parameter, checked before anything compiles.
+
+One row per array: path, shape, dtype, spec, shards, bytes per device; the
+total per device against the unsharded total; warnings for large replicated
+parameters and for plan filters that matched nothing; and every problem (an
+axis the mesh lacks, an axis used twice, a spec longer than the rank, a
+dimension not divisible) with its path. Only shapes and metadata are read, so
+an abstract model (``nnx.eval_shape``, ``jax.eval_shape``) and a mesh given as
+``{"data": 2, "model": 4}`` work without the devices.
+
+Example::
+
+    import meshlift as ml
+
+    report = ml.explain(model, plan, {"data": 2, "model": 4})
+    print(report)               # a rich table
+    report.check()              # raises ml.PlanError listing every problem
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from meshlift.mesh import current_mesh
+from meshlift.metadata import annotated_leaves
+from meshlift.sharding import PlanError, StateSharding, format_path, spec_axes, spec_problems
+
+LARGE_REPLICATED_BYTES = 1 << 20  # warn about replicated parameters from 1 MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One array: where it is, what it is, how the plan shards it, and what is wrong."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: PartitionSpec | None
+    shards: int
+    bytes: int
+    bytes_per_device: int
+    problems: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The result of ``ml.explain``: rows, totals, warnings and problems; prints as a table."""
+
+    mesh_shape: dict[str, int]
+    rows: tuple[Row, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def problems(self) -> list[tuple[str, str]]:
+        """``(path, problem)`` for every problem of every row."""
+        return [(row.path, p) for row in self.rows for p in row.problems]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(row.bytes for row in self.rows)
+
+    @property
+    def bytes_per_device(self) -> int:
+        return sum(row.bytes_per_device for row in self.rows)
+
+    def check(self) -> Explanation:
+        """Raise one ``ml.PlanError`` listing every problem; return self if there are none."""
+        if self.problems:
+            raise PlanError(
+                f"the plan does not fit {len(self.problems)} time(s) on mesh {self.mesh_shape}:\n  "
+                + "\n  ".join(
+                    f"`{row.path}` (shape {row.shape}, spec {row.spec}): {p}"
+                    for row in self.rows
+                    for p in row.problems
+                )
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        return {
+            "mesh": self.mesh_shape,
+            "rows": [
+                {
+                    "path": r.path,
+                    "shape": list(r.shape),
+                    "dtype": r.dtype,
+                    "spec": None if r.spec is None else [_entry(e) for e in r.spec],
+                    "shards": r.shards,
+                    "bytes": r.bytes,
+                    "bytes_per_device": r.bytes_per_device,
+                    "problems": list(r.problems),
+                }
+                for r in self.rows
+            ],
+            "total_bytes": self.total_bytes,
+            "bytes_per_device": self.bytes_per_device,
+            "warnings": list(self.warnings),
+            "problems": [{"path": path, "problem": p} for path, p in self.problems],
+        }
+
+    def __rich__(self) -> Group:
+        devices = math.prod(self.mesh_shape.values())
+        table = Table(
+            "path",
+            "shape",
+            "dtype",
+            "spec",
+            "shards",
+            "bytes/device",
+            title=f"plan on mesh {self.mesh_shape} ({devices} devices)",
+        )
+        for r in self.rows:
+            table.add_row(
+                Text(("✗ " if r.problems else "") + r.path, style="red" if r.problems else ""),
+                str(r.shape),
+                r.dtype,
+                "auto" if r.spec is None else str(r.spec),
+                str(r.shards),
+                _size(r.bytes_per_device),
+            )
+        ratio = self.total_bytes / self.bytes_per_device if self.bytes_per_device else 1.0
+        lines = [
+            Text(
+                f"total per device: {_size(self.bytes_per_device)} of "
+                f"{_size(self.total_bytes)} unsharded ({ratio:.2f}x smaller)"
+            )
+        ]
+        lines += [Text(f"warning: {w}", style="yellow") for w in self.warnings]
+        if self.problems:
+            lines.append(Text(f"{len(self.problems)} problem(s):", style="bold red"))
+            lines += [Text(f"  {path}: {p}", style="red") for path, p in self.problems]
+        else:
+            lines.append(Text("no problems: every spec fits its array and the mesh"))
+        return Group(table, *lines)
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        Console(file=buffer, width=120, color_system=None, highlight=False).print(self)
+        return buffer.getvalue()
+
+
+def explain(
+    model_or_tree: Any,
+    plan_or_rules: Any = None,
+    mesh: Any = None,
+    *,
+    large_replicated_bytes: int = LARGE_REPLICATED_BYTES,
+) -> Explanation:
+    """Explain a plan on a mesh, one row per array, validating without compiling.
+
+    ``plan_or_rules`` is a ``StateSharding``, a nested mapping / ``nnx.State`` of
+    specs, one ``PartitionSpec`` for everything, a list of logical axis rules
+    applied to the model's annotations, or None for the annotations as they
+    are. ``mesh`` is a Mesh or ``{"data": 2, "model": 4}``; default: the mesh of
+    ``ml.use_mesh``. Print the result for the table; ``.check()`` raises.
+
+    Example::
+
+        print(ml.explain(model, plan, mesh))
+        print(ml.explain(abstract_variables, [("batch", "data"), ("hidden", "model")], mesh))
+    """
+    mesh_shape = _mesh_shape(mesh)
+    items = annotated_leaves(model_or_tree)
+    plan, rules = _plan_and_rules(plan_or_rules)
+    matched: set[int] = set()
+    rows = []
+    for item in items:
+        path = format_path(item.path)
+        problems: list[str] = []
+        spec: PartitionSpec | None = None
+        try:
+            if plan is None:
+                spec = item.spec(rules, mesh_shape)
+            else:
+                spec = _spec_from_plan(plan, item, matched, mesh_shape, problems)
+        except PlanError:  # logical names and no rules
+            problems.append(
+                f"it has the logical names {item.names} but no axis rules are set; pass the "
+                f"rules as the plan, e.g. [('hidden', 'model')], or use ml.axis_rules"
+            )
+        if spec is not None:
+            problems += spec_problems(spec, item.shape, mesh_shape)
+        rows.append(_row(path, item, spec, mesh_shape, problems))
+    return Explanation(
+        mesh_shape, tuple(rows), _warnings(rows, plan, matched, mesh_shape, large_replicated_bytes)
+    )
+
+
+def _spec_from_plan(
+    plan: StateSharding,
+    item: Any,
+    matched: set[int],
+    mesh_shape: dict[str, int],
+    problems: list[str],
+) -> PartitionSpec | None:
+    for index, (_, predicate, rule_spec) in enumerate(plan.rules):
+        if predicate(item.path, item.holder):
+            matched.add(index)
+            spec = rule_spec
+            break
+    else:
+        problems.append(
+            "no filter of the plan matches it; add a rule, or end the plan with `...: P()`"
+        )
+        return PartitionSpec()
+    if isinstance(spec, NamedSharding):
+        if dict(spec.mesh.shape) != mesh_shape:
+            problems.append(
+                f"its NamedSharding is on mesh {dict(spec.mesh.shape)}, not {mesh_shape}"
+            )
+        return spec.spec
+    if isinstance(spec, Sharding):
+        return None  # another kind of sharding: JAX checks it
+    return spec
+
+
+def _row(
+    path: str, item: Any, spec: PartitionSpec | None, mesh_shape: dict[str, int], problems: list
+) -> Row:
+    shape = item.shape
+    itemsize = np.dtype(item.value.dtype).itemsize
+    total = math.prod(shape) * itemsize
+    per_dim = [1] * len(shape)
+    shards = 1
+    if spec is not None:
+        for dim, axes in spec_axes(spec):
+            size = math.prod(mesh_shape.get(a, 1) for a in axes)
+            shards *= size
+            if dim < len(shape):
+                per_dim[dim] = size
+    per_device = math.prod(-(-n // k) for n, k in zip(shape, per_dim, strict=True)) * itemsize
+    return Row(
+        path,
+        shape,
+        str(np.dtype(item.value.dtype)),
+        spec,
+        shards,
+        total,
+        per_device,
+        tuple(dict.fromkeys(problems)),
+    )
+
+
+def _warnings(
+    rows: list[Row],
+    plan: StateSharding | None,
+    matched: set[int],
+    mesh_shape: dict[str, int],
+    threshold: int,
+) -> tuple[str, ...]:
+    out = []
+    if math.prod(mesh_shape.values()) > 1:
+        for r in rows:
+            if r.shards == 1 and r.bytes >= threshold:
+                out.append(
+                    f"`{r.path}` ({_size(r.bytes)}) is replicated on every device; "
+                    f"shard one of its dimensions to save memory"
+                )
+    if plan is not None:
+        for index, (filter_, _, spec) in enumerate(plan.rules):
+            if index not in matched and filter_ is not Ellipsis:
+                out.append(f"the plan's filter {filter_!r} (spec {spec}) matched no parameter")
+    return tuple(out)
+
+
+def _plan_and_rules(plan_or_rules: Any) -> tuple[StateSharding | None, Any]:
+    """Split the argument into a plan, or rules for the annotations (None: the context's)."""
+    p = plan_or_rules
+    if p is None:
+        return None, None
+    if isinstance(p, StateSharding):
+        return p, None
+    if p is None or isinstance(p, PartitionSpec | Sharding):
+        return StateSharding({...: p}), None
+    if isinstance(p, Mapping):
+        return StateSharding.from_state(p), None
+    if isinstance(p, Sequence) and not isinstance(p, str):
+        return None, p  # axis rules: checked by the first lookup
+    raise TypeError(
+        f"explain takes a StateSharding, a mapping of specs, a PartitionSpec or a list of axis "
+        f"rules; got {type(p).__name__}: {p!r}"
+    )
+
+
+def _mesh_shape(mesh: Any) -> dict[str, int]:
+    mesh = mesh if mesh is not None else current_mesh()
+    if mesh is None:
+        raise TypeError(
+            "explain needs a mesh: pass a Mesh or a shape like {'data': 2, 'model': 4}, or "
+            "call it inside `with ml.use_mesh(mesh):`"
+        )
+    return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+
+
+def _entry(e: Any) -> Any:
+    return list(e) if isinstance(e, tuple) else e
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"  # pragma: no cover

@@ -1,0 +1,460 @@
+"""Sharding metadata: annotate parameters where they are made, read the plan back from them.
+
+One API for NNX and linen. ``ml.with_partitioning`` wraps an initializer: in
+an NNX module the Variable gets flax's ``out_sharding`` metadata; in a linen
+module the value is boxed in flax's ``nn.Partitioned`` (``with_logical_partitioning``:
+``nn.LogicallyPartitioned``). Annotations made by flax's own functions read the same.
+
+The tree functions accept NNX modules, ``nnx.State``, linen variable dicts
+with boxes, ``TrainState``s and ``jax.eval_shape`` outputs.
+
+Example::
+
+    import jax, meshlift as ml
+    from flax import nnx
+
+    init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    layer = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+    specs = ml.get_partition_spec(layer)          # nnx.State of specs
+    assert specs["kernel"].get_value() == P(None, "model")
+    shardings = ml.get_sharding(layer, mesh)      # NamedShardings, checked against the mesh
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.core import meta as flax_meta
+from flax.nnx import graphlib, variablelib
+from flax.nnx import spmd as nnx_spmd
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshlift.logical import check_rules, current_rules, logical_to_mesh_axes
+from meshlift.mesh import current_mesh
+from meshlift.sharding import PlanError, format_path, spec_problems
+
+Path = tuple[Hashable, ...]
+
+__all__ = [
+    "add_axis",
+    "get_partition_spec",
+    "get_sharding",
+    "remove_axis",
+    "replace_boxed",
+    "unbox",
+    "with_logical_partitioning",
+    "with_partitioning",
+]
+
+
+# -- annotating ------------------------------------------------------------------------------
+
+
+def _in_linen_module() -> bool:
+    """True while a linen module is running (initializers called by ``self.param``)."""
+    from flax.linen import module as linen_module
+
+    return linen_module._context.module_stack[-1] is not None
+
+
+def with_partitioning(
+    init_fn: Callable[..., Any], names: Sequence[Any], mesh: jax.sharding.Mesh | None = None
+) -> Callable[..., Any]:
+    """Wrap an initializer so its parameter carries mesh-axis ``names``, one per dimension.
+
+    In NNX the Variable gets ``out_sharding=names`` metadata (and is placed on
+    that sharding at once if a mesh is known: ``mesh=`` or ``ml.use_mesh``);
+    in linen the value is boxed in ``nn.Partitioned``.
+
+    Example::
+
+        kernel_init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        nnx.Linear(16, 32, kernel_init=kernel_init, rngs=nnx.Rngs(0))     # NNX
+        nn.Dense(32, kernel_init=ml.with_partitioning(nn.initializers.lecun_normal(),
+                                                      (None, "model")))   # linen
+    """
+    names = _check_names(names, "with_partitioning")
+
+    @functools.wraps(init_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        value = init_fn(*args, **kwargs)
+        if _in_linen_module():
+            return flax_meta.Partitioned(value, names, mesh=mesh)
+        value = _place(value, PartitionSpec(*names), mesh)
+        metadata = {"out_sharding": names, "eager_sharding": False}
+        if mesh is not None:
+            metadata["mesh"] = mesh
+        return variablelib.VariableMetadata(value, metadata=metadata)
+
+    return wrapper
+
+
+def with_logical_partitioning(
+    init_fn: Callable[..., Any],
+    names: Sequence[Any],
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Sequence[tuple[str, Any]] | None = None,
+) -> Callable[..., Any]:
+    """Like ``with_partitioning`` with logical ``names``, mapped to mesh axes by axis rules.
+
+    In NNX the Variable gets ``out_sharding=names`` and ``sharding_rules=rules``
+    (flax's own marker of a logical annotation); in linen the value is boxed in
+    ``nn.LogicallyPartitioned``. Rules given here apply to this parameter
+    before those of ``ml.axis_rules``.
+
+    Example::
+
+        kernel_init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(),
+                                                   ("embed", "hidden"))
+        with ml.axis_rules([("hidden", "model")]):
+            ml.get_partition_spec(nnx.Linear(16, 32, kernel_init=kernel_init, rngs=rngs))
+            # kernel: P(None, 'model')
+    """
+    names = _check_names(names, "with_logical_partitioning")
+    rules = check_rules(rules) if rules is not None else None
+
+    @functools.wraps(init_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        value = init_fn(*args, **kwargs)
+        if _in_linen_module():
+            from flax.linen import spmd as linen_spmd
+
+            return linen_spmd.LogicallyPartitioned(value, names, mesh=mesh, rules=rules)
+        effective = _effective_rules(None, rules)
+        if effective:
+            value = _place(value, logical_to_mesh_axes(names, effective, mesh=mesh), mesh)
+        metadata = {"out_sharding": names, "sharding_rules": rules, "eager_sharding": False}
+        if mesh is not None:
+            metadata["mesh"] = mesh
+        return variablelib.VariableMetadata(value, metadata=metadata)
+
+    return wrapper
+
+
+def _check_names(names: Any, who: str) -> tuple[Any, ...]:
+    if isinstance(names, str) or not isinstance(names, Sequence | PartitionSpec):
+        raise TypeError(
+            f"{who} takes one name (or None) per dimension, e.g. (None, 'model'); got "
+            f"{type(names).__name__}: {names!r}"
+        )
+    return tuple(names)
+
+
+def _place(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
+    """Constrain a new parameter to ``spec`` if a mesh is known and the spec fits it."""
+    mesh = mesh if mesh is not None else current_mesh()
+    shape = getattr(value, "shape", None)
+    if mesh is None or shape is None or spec_problems(spec, shape, dict(mesh.shape)):
+        return value  # left as made; ml.explain and the transforms report a bad spec by path
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
+
+
+# -- reading annotations ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Annotated:
+    """One array of a tree: its path, its value (array or ShapeDtypeStruct) and its annotation.
+
+    ``holder`` is the NNX Variable or flax box around the value (what NNX filters
+    see), else the value itself. ``names`` is None for an unannotated array.
+    """
+
+    path: Path
+    value: Any
+    holder: Any
+    names: tuple[Any, ...] | None = None
+    logical: bool = False
+    rules: tuple[tuple[str, Any], ...] | None = None
+    mesh: Any = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self.value, "shape", ()))
+
+    def spec(self, rules: Any = None, mesh: Any = None, *, strict: bool = True) -> PartitionSpec:
+        """The mesh spec. Logical names need rules: without any, a PlanError (or, with
+        ``strict=False``, the logical names themselves, as flax's ``get_partition_spec``)."""
+        if self.names is None:
+            return PartitionSpec()
+        if not self.logical:
+            return PartitionSpec(*self.names)
+        effective = _effective_rules(rules, self.rules)
+        if not effective:
+            if not strict:
+                return PartitionSpec(*self.names)
+            raise PlanError(
+                f"`{format_path(self.path)}` (shape {self.shape}) has the logical names "
+                f"{self.names} but no axis rules are set, so it has no mesh spec; pass rules=, "
+                f"or wrap the call in `with ml.axis_rules([('hidden', 'model'), ...]):`"
+            )
+        return logical_to_mesh_axes(self.names, effective, mesh=mesh)
+
+
+def _effective_rules(explicit: Any, local: Any) -> tuple[tuple[str, Any], ...]:
+    """Explicit rules if given, else the parameter's own rules then those of ``ml.axis_rules``."""
+    if explicit is not None:
+        return check_rules(explicit)
+    return tuple(local or ()) + tuple(current_rules() or ())
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, flax_meta.AxisMetadata | nnx.Variable)
+
+
+def _box_annotation(x: Any) -> dict[str, Any]:
+    """Names, logical flag, rules and mesh of a flax box or NNX Variable (empty if none)."""
+    if isinstance(x, nnx.Variable):
+        md = x.get_metadata()
+        sharding = md.get("out_sharding")
+        if not sharding:
+            return {}
+        mesh = md.get("mesh")
+        if isinstance(sharding, NamedSharding):
+            mesh, sharding = sharding.mesh, sharding.spec
+        return {
+            "names": tuple(sharding),
+            "logical": "sharding_rules" in md,
+            "rules": md.get("sharding_rules"),
+            "mesh": mesh,
+        }
+    if hasattr(x, "names"):  # nn.Partitioned, nn.LogicallyPartitioned
+        from flax.linen import spmd as linen_spmd
+
+        logical = isinstance(x, linen_spmd.LogicallyPartitioned)
+        return {
+            "names": tuple(x.names),
+            "logical": logical,
+            "rules": getattr(x, "rules", None),
+            "mesh": x.mesh,
+        }
+    return {}
+
+
+def _box_value(x: Any) -> Any:
+    if isinstance(x, nnx.Variable):
+        return x.get_raw_value()
+    if isinstance(x, flax_meta.AxisMetadata):
+        return x.unbox(apply_constraint=False) if _takes_constraint(x) else x.unbox()
+    return x
+
+
+def _takes_constraint(box: Any) -> bool:
+    return isinstance(box, flax_meta.Partitioned)
+
+
+def key_name(key: Any) -> str:
+    """A jax key path entry as a plain name: ``DictKey('w')`` -> ``'w'``."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def annotated_leaves(tree: Any) -> list[Annotated]:
+    """Every array of ``tree`` with its path and annotation, in the tree's order.
+
+    NNX graph nodes (modules, optimizers) are read through ``nnx.graph.flatten``,
+    so paths are the ones plans and transforms use (``linear1.kernel``).
+    """
+    out = []
+    if graphlib.is_graph_node(tree) or isinstance(tree, nnx.Variable):
+        _, flat = nnx.graph.flatten(tree)
+        pairs: list[tuple[Path, Any]] = [
+            (tuple(p), leaf) for p, leaf in zip(flat.paths, flat.leaves, strict=True)
+        ]
+    else:
+        with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)
+        pairs = [(tuple(key_name(k) for k in kp), leaf) for kp, leaf in with_paths]
+    for path, leaf in pairs:
+        value = _box_value(leaf) if _is_box(leaf) else leaf
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            continue
+        out.append(Annotated(path, value, leaf, **_box_annotation(leaf)))
+    return out
+
+
+# -- tree functions -----------------------------------------------------------------------
+
+
+def _map_boxes(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` on every box/Variable/array; modules are read as their ``nnx.State``."""
+    if graphlib.is_graph_node(tree):
+        tree = nnx.state(tree)
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            return x.replace(fn(x))
+        if isinstance(x, flax_meta.AxisMetadata) or hasattr(x, "shape"):
+            return fn(x)
+        return None
+
+    return jax.tree.map(leaf, tree, is_leaf=_is_box)
+
+
+def get_partition_spec(tree: Any, rules: Any = None) -> Any:
+    """The ``PartitionSpec`` of every array in ``tree``; unannotated arrays get ``P()``.
+
+    Boxes are replaced by their spec (as ``nn.get_partition_spec`` does); for
+    NNX modules and ``nnx.State`` the result is an ``nnx.State`` of specs.
+    Logical names are mapped by ``rules`` (else the parameter's own rules and
+    those of ``ml.axis_rules``); with no rules at all they are kept as they are,
+    for ``ml.logical_to_mesh`` to map later.
+
+    Example::
+
+        abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+        specs = ml.get_partition_spec(abstract)   # {'params': {'Dense_0': {'kernel': P(None, 'model')}}}
+    """
+
+    def spec(x: Any) -> PartitionSpec:
+        ann = _box_annotation(x)
+        item = Annotated((), _box_value(x), x, **ann)
+        return item.spec(rules, strict=False)
+
+    return _map_boxes(spec, tree)
+
+
+def get_sharding(tree: Any, mesh: Any = None, rules: Any = None) -> Any:
+    """A ``NamedSharding`` on ``mesh`` for every array in ``tree``, checked against the mesh.
+
+    Same structure as ``get_partition_spec``, and usable as ``out_shardings``
+    of ``jax.jit``. Every spec that cannot shard its array (an axis the mesh
+    lacks, an axis used twice, too many entries, a dimension not divisible) is
+    reported in one ``ml.PlanError`` with its path. ``mesh`` defaults to the
+    one of ``ml.use_mesh``.
+
+    Example::
+
+        abstract = jax.eval_shape(init_fn, key, x)
+        state_sharding = ml.get_sharding(abstract, mesh)
+    """
+    mesh = mesh if mesh is not None else current_mesh()
+    if mesh is None:
+        raise TypeError("get_sharding needs a mesh: pass one, or call inside ml.use_mesh(mesh)")
+    problems: list[str] = []
+    for item in annotated_leaves(tree):
+        try:
+            spec = item.spec(rules, mesh)
+        except PlanError as error:
+            problems.append(str(error))
+            continue
+        found = spec_problems(spec, item.shape, dict(mesh.shape))
+        if found:
+            problems.append(
+                f"`{format_path(item.path)}` (shape {item.shape}, spec {spec}): " + "; ".join(found)
+            )
+    if problems:
+        raise PlanError(
+            f"{len(problems)} parameter(s) cannot be sharded on mesh {dict(mesh.shape)}:\n  "
+            + "\n  ".join(problems)
+            + "\nFix the annotation (ml.with_partitioning) or the axis rules, or use a mesh "
+            "whose axes divide these dimensions."
+        )
+
+    def sharding(x: Any) -> NamedSharding:
+        item = Annotated((), _box_value(x), x, **_box_annotation(x))
+        return NamedSharding(mesh, item.spec(rules, mesh))
+
+    return _map_boxes(sharding, tree)
+
+
+def unbox(tree: Any) -> Any:
+    """The arrays alone: flax boxes and NNX Variables replaced by their values.
+
+    A module gives the nested dict of its arrays (``nnx.to_pure_dict``).
+
+    Example::
+
+        params = ml.unbox(variables["params"])   # plain dict of arrays
+    """
+    if graphlib.is_graph_node(tree):
+        return nnx.to_pure_dict(nnx.state(tree))
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            return unbox(x.get_value())
+        if isinstance(x, flax_meta.AxisMetadata):
+            return unbox(_box_value(x))
+        return x
+
+    return jax.tree.map(leaf, tree, is_leaf=_is_box)
+
+
+def replace_boxed(tree: Any, updates: Any) -> Any:
+    """``tree`` with each boxed value replaced by the matching array of ``updates``.
+
+    The boxes (and their annotations) stay; ``updates`` is shaped like
+    ``ml.unbox(tree)``. For a module, its Variables are updated in place and the
+    module is returned.
+
+    Example::
+
+        new_variables = ml.replace_boxed(variables, ml.unbox(variables))
+    """
+    if graphlib.is_graph_node(tree):
+        state = nnx.state(tree)
+        nnx.replace_by_pure_dict(state, updates)
+        nnx.update(tree, state)
+        return tree
+    if isinstance(tree, nnx.State):
+        state = jax.tree.map(lambda v: v, tree, is_leaf=_is_box)
+        nnx.replace_by_pure_dict(state, updates)
+        return state
+
+    def leaf(x: Any, new: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            return x.replace(new)
+        if isinstance(x, flax_meta.AxisMetadata):
+            return x.replace_boxed(replace_boxed(_box_value(x), new))
+        return new
+
+    return jax.tree.map(leaf, tree, updates, is_leaf=_is_box)
+
+
+def add_axis(tree: Any, index: int, axis_name: str | None) -> Any:
+    """Insert ``axis_name`` at ``index`` in every annotation, as scan/vmap over layers do.
+
+    Stacking layers gives each parameter a new leading axis; with
+    ``axis_name="layers"`` its spec gains ``'layers'`` there (``None``: not
+    sharded). NNX Variables are updated in place; linen boxes are replaced.
+
+    Example::
+
+        stacked = ml.add_axis(variables, 0, "layers")   # (None, 'model') -> ('layers', None, 'model')
+    """
+    return _axis_op(tree, index, axis_name, add=True)
+
+
+def remove_axis(tree: Any, index: int, axis_name: str | None) -> Any:
+    """Remove the entry at ``index`` (which must be ``axis_name``) from every annotation.
+
+    Example::
+
+        layer = ml.remove_axis(stacked, 0, "layers")    # ('layers', None, 'model') -> (None, 'model')
+    """
+    return _axis_op(tree, index, axis_name, add=False)
+
+
+def _axis_op(tree: Any, index: int, axis_name: str | None, *, add: bool) -> Any:
+    params = {flax_meta.PARTITION_NAME: axis_name}
+    nnx_op = nnx_spmd.add_axis if add else nnx_spmd.remove_axis
+    if graphlib.is_graph_node(tree):
+        for _, node in nnx.graph.iter_graph(tree):
+            if isinstance(node, nnx.Variable):
+                nnx_op(node, index, params)
+        return tree
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            return nnx_op(x, index, params)
+        if isinstance(x, flax_meta.AxisMetadata):
+            return x.add_axis(index, params) if add else x.remove_axis(index, params)
+        return x
+
+    return jax.tree.map(leaf, tree, is_leaf=_is_box)
