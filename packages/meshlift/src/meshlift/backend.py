@@ -52,9 +52,11 @@ class Backend:
 
     ``stage(fn, spec)`` returns the JAX-level staged callable for the pure
     function ``fn``. ``frontend``, if given, is the user-facing wrapper with
-    the transform's own argument names (``ml.jit`` for the jit backend);
-    ``unify``, if given, maps those names onto the unified ones used by
-    ``ml.transform`` (``in_specs``, ``out_specs``, ``mesh``...).
+    the transform's own argument names (``ml.jit`` for the jit backend).
+    ``unify``, if given, rewrites the keyword arguments ``ml.transform`` was
+    called with (``mesh``, ``in_specs``, ``out_specs``, ``options``...) into
+    those ``ml.Lifted`` takes: where a backend reads old argument names, gives
+    ``None`` another meaning, or looks the mesh up its own way.
     ``capabilities`` are free-form strings the integration suite reads to
     decide which cases a backend declares it cannot run.
     """
@@ -62,6 +64,7 @@ class Backend:
     name: str
     stage: Callable[[Callable[..., Any], StageSpec], Any]
     frontend: Callable[..., Any] | None = None
+    unify: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     version: str = "0"
     distribution: str | None = None
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)

@@ -52,6 +52,27 @@ def _is_graph_type(cls: type) -> bool:
     return issubclass(cls, nnx.Variable) or cls in graphlib.GRAPH_REGISTRY
 
 
+def variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:
+    """(path, Variable) for every path of ``node``: a shared Variable or module once per path.
+
+    Example::
+
+        model.head = model.embed                   # tied
+        [p for p, _ in variable_paths(model)]      # [('embed', 'embedding'), ('head', 'embedding')]
+    """
+    _, flat = nnx.graph.flatten(node)
+    first_paths = list(zip(flat.paths, flat.leaves, strict=True))
+    pairs = list(first_paths)
+    if isinstance(node, nnx.Variable):
+        return pairs
+    for group in nnx.graph.find_duplicates(node):
+        first, *others = (tuple(p) for p in group)
+        for path, variable in first_paths:
+            if path[: len(first)] == first:
+                pairs += [((*other, *path[len(first) :]), variable) for other in others]
+    return pairs
+
+
 class StructureChangedError(RuntimeError):
     """The lifted function changed the structure of a module it was given."""
 

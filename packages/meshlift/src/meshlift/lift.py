@@ -26,7 +26,13 @@ from flax.nnx import graphlib
 from jax.sharding import AbstractMesh, Mesh, Sharding
 
 from meshlift.backend import Backend, StageSpec
-from meshlift.graph import GraphSplit, StructureChangedError, fingerprint, is_graph_leaf
+from meshlift.graph import (
+    GraphSplit,
+    StructureChangedError,
+    fingerprint,
+    is_graph_leaf,
+    variable_paths,
+)
 from meshlift.mesh import current_mesh
 from meshlift.plugins import get_backend
 from meshlift.sharding import (
@@ -141,14 +147,19 @@ class Lifted:
         _, user_out, aux = jax.eval_shape(binding.staged, *abstract_inputs)
         return _decode_outputs(user_out, aux.info, binding.abstract_index_map())
 
-    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Binding, list[Any]]:
-        """The binding for these arguments' structure (made if new or stale), and their leaves."""
+    def _bind(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: Any = None
+    ) -> tuple[_Binding, list[Any]]:
+        """The binding for these arguments' structure (made if new or stale), and their leaves.
+
+        ``mesh`` overrides the call-site lookup (a compiled object keeps its mesh).
+        """
         statics: tuple[Any, ...] = ()
         if self.static_argnums or self.static_argnames:
             args, kwargs, statics = self._pop_statics(args, kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
         node_ids = tuple(id(leaf) for leaf in leaves if is_graph_leaf(leaf))
-        mesh = self._call_site_mesh()
+        mesh = self._call_site_mesh() if mesh is None else mesh
         key = (treedef, statics, node_ids, mesh)
         binding = self._bindings.get(key)
         if binding is None or not binding.split.unchanged():
@@ -400,7 +411,7 @@ class _Binding:
         var_specs: list[Sharding | None] = [None] * len(var_index)
         origin: dict[int, tuple[str, Any]] = {}
         for pos in self.node_pos:
-            for path, variable in _variable_paths(leaves[pos]):
+            for path, variable in variable_paths(leaves[pos]):
                 full = ".".join(
                     filter(None, (self.leaf_paths[pos], format_path(path) if path else ""))
                 )
@@ -436,7 +447,15 @@ class _Binding:
                 is_leaf=is_spec,
             )
         abstract_inputs = jax.tree.map(_abstract, self.inputs(leaves))
-        _, user_out, aux = jax.eval_shape(self._pure_function(), *abstract_inputs)
+        try:
+            _, user_out, aux = jax.eval_shape(self._pure_function(), *abstract_inputs)
+        except NameError as e:  # a collective over a mesh axis, outside the backend's map
+            raise PlanError(
+                f"{self.lifted.out_name} holds a StateSharding, which meshlift resolves by tracing "
+                f"{self.lifted.__name__} outside the {self.lifted.backend.name} backend, where its "
+                f"collectives cannot run ({e}). Give {self.lifted.out_name} as PartitionSpecs "
+                f"for this backend."
+            ) from None
         abstract_out = _decode_outputs(user_out, aux.info, self.abstract_index_map())
         return _output_leaf_specs(
             out_specs, abstract_out, aux.info, self.mesh, self.lifted.out_name
@@ -480,7 +499,7 @@ class Compiled:
         self.jax_compiled, self._binding = compiled, binding
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        binding, leaves = self._binding.lifted._bind(args, kwargs)
+        binding, leaves = self._binding.lifted._bind(args, kwargs, self._binding.mesh)
         if binding.staged is not self._binding.staged:
             raise TypeError(
                 "these arguments differ in structure, shardings or static values from the ones "
@@ -527,6 +546,9 @@ def transform(
         donate_argnames=donate_argnames,
         options=options,
     )
+    backend = get_backend(backend)
+    if backend.unify is not None:
+        kwargs = backend.unify(kwargs)
     if fun is None:
         return lambda f: Lifted(f, backend, **kwargs)
     return Lifted(fun, backend, **kwargs)
@@ -693,21 +715,6 @@ def _one_level(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     return [(".".join(_key_name(k) for k in keys), child) for keys, child in children], treedef
 
 
-def _variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:
-    """(path, Variable) for every path of ``node``: a shared Variable or module once per path."""
-    _, flat = nnx.graph.flatten(node)
-    first_paths = list(zip(flat.paths, flat.leaves, strict=True))
-    pairs = list(first_paths)
-    if isinstance(node, nnx.Variable):
-        return pairs
-    for group in nnx.graph.find_duplicates(node):
-        first, *others = (tuple(p) for p in group)
-        for path, variable in first_paths:
-            if path[: len(first)] == first:
-                pairs += [((*other, *path[len(first) :]), variable) for other in others]
-    return pairs
-
-
 def _mesh_shape(mesh: Any) -> Any:
     return dict(mesh.shape) if mesh is not None else None
 
@@ -763,7 +770,7 @@ def _output_leaf_specs(
                 spec = spec.spec_for(path, leaf)
             result.append(to_sharding(spec, mesh, format_path(("output", *path)), leaf, what))
             continue
-        variables = dict(_variable_paths(leaf))
+        variables = dict(variable_paths(leaf))
         shardings = []
         for path in info.out_paths[i]:
             leaf_spec = (

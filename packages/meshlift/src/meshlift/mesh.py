@@ -80,9 +80,8 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
 
 
 def current_mesh() -> Mesh | None:
-    """The mesh set by ``ml.use_mesh`` or ``jax.set_mesh``, else None."""
-    try:
-        mesh = jax.sharding.get_mesh()
-    except ValueError:  # inside a trace: only the abstract mesh is known
-        mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty else mesh
+    """The mesh set by ``ml.use_mesh`` or ``jax.set_mesh``, else None; also inside traces."""
+    from jax._src.mesh import get_concrete_mesh  # jax.sharding.get_mesh refuses inside traces
+
+    mesh = get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh

@@ -34,6 +34,7 @@ from flax.nnx import graphlib, variablelib
 from flax.nnx import spmd as nnx_spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshlift.graph import variable_paths
 from meshlift.logical import check_rules, current_rules, logical_to_mesh_axes
 from meshlift.mesh import current_mesh
 from meshlift.sharding import PlanError, format_path, spec_problems
@@ -264,10 +265,7 @@ def annotated_leaves(tree: Any) -> list[Annotated]:
     """
     out = []
     if graphlib.is_graph_node(tree) or isinstance(tree, nnx.Variable):
-        _, flat = nnx.graph.flatten(tree)
-        pairs: list[tuple[Path, Any]] = [
-            (tuple(p), leaf) for p, leaf in zip(flat.paths, flat.leaves, strict=True)
-        ]
+        pairs: list[tuple[Path, Any]] = variable_paths(tree)  # a shared Variable on each path
     else:
         with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)
         pairs = [(tuple(key_name(k) for k in kp), leaf) for kp, leaf in with_paths]
