@@ -12,10 +12,14 @@ compile cache, writing updates back. Variants, side by side in one run:
 * ``nnx.jit(graph=False)``  -- flax's tree mode, same call
 * ``jax.jit floor``         -- raw ``jax.jit`` over a dict of arrays and the
   optax state, outputs fed back in: what no wrapper can beat
+* ``meshlift.shard_map``    -- ``ml.shard_map`` of the same step, data parallel
+  on 8 devices (parameters ``P()``, batch ``P("data")``, loss ``pmean``'d)
+* ``jax.shard_map floor``   -- the same data-parallel step as raw
+  ``jax.shard_map`` under ``jax.jit`` over arrays: ``meshlift.shard_map``'s floor
 
 Run::
 
-    python benchmarks/dispatch.py                      # L = 4 32 128, about 2 min
+    python benchmarks/dispatch.py                      # L = 4 32 128, about 3 min
     python benchmarks/dispatch.py --layers 4 --repeats 0.2   # quick smoke run
     python benchmarks/dispatch.py --json               # numbers only, on stdout
 
@@ -49,6 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
@@ -58,6 +64,13 @@ WIDTH = 64
 LEARNING_RATE = 1e-3
 WARMUP_CALLS = 3  # the first compiles; all three are checked against the floor
 FLOOR = "jax.jit floor"
+SHARD_MAP_FLOOR = "jax.shard_map floor"
+# Each variant's ratio is to its own floor: the jax.jit floor unless named here.
+BASELINE = {"meshlift.shard_map": SHARD_MAP_FLOOR}
+# The shard_map variants' 1-D "data" mesh (--shard-map-devices): with 8
+# simulated devices on a 2-core host the step's execution, not its dispatch,
+# takes most of each call; see benchmarks/README.md.
+DATA_DEVICES = 8
 
 # Python-side trace counters: train_step bumps its variant's entry, which only
 # happens while JAX traces it. One trace per variant and depth is expected.
@@ -84,14 +97,20 @@ class MLP(nnx.Module):
         return x
 
 
-def make_train_step(name: str):
-    """A fresh ``train_step`` (its own jit cache entry) that counts its traces."""
+def make_train_step(name: str, data_axis: str | None = None):
+    """A fresh ``train_step`` (its own jit cache entry) that counts its traces.
+
+    With ``data_axis`` it is the per-shard step of data parallelism: the loss is
+    averaged over the axis (``pmean``) inside the differentiated function, so
+    the gradients come out averaged over the whole batch.
+    """
 
     def train_step(model, optimizer, x, y):
         TRACES[name] += 1
 
         def loss_fn(model):
-            return jnp.mean((model(x) - y) ** 2)
+            loss = jnp.mean((model(x) - y) ** 2)
+            return jax.lax.pmean(loss, data_axis) if data_axis else loss
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
@@ -104,6 +123,17 @@ def make_batch():
     x = jax.random.normal(jax.random.key(1), (1, WIDTH))
     y = jax.random.normal(jax.random.key(2), (1, WIDTH))
     return x, y
+
+
+def data_mesh() -> jax.sharding.Mesh:
+    return ml.make_mesh({"data": DATA_DEVICES}, devices=jax.devices()[:DATA_DEVICES])
+
+
+def make_sharded_batch(mesh: jax.sharding.Mesh):
+    """The batch repeated once per device, split over "data": each shard sees the
+    original row, so the data-parallel step computes the floor's numbers."""
+    sharding = NamedSharding(mesh, P("data"))
+    return tuple(jax.device_put(jnp.tile(a, (DATA_DEVICES, 1)), sharding) for a in make_batch())
 
 
 def make_model(layers: int) -> MLP:
@@ -160,23 +190,25 @@ def variant_nnx_jit_tree(layers: int) -> tuple[Call, State]:
     return _stateful(step), make_nnx_state(layers)
 
 
+def forward_arrays(params: dict[str, dict[str, jax.Array]], x: jax.Array, layers: int):
+    """The MLP over the floor's dict of arrays."""
+    for i in range(layers):
+        layer = params[f"l{i}"]
+        x = jax.nn.relu(x @ layer["kernel"] + layer["bias"])
+    return x
+
+
 def variant_floor(layers: int) -> tuple[Call, State]:
     """Raw ``jax.jit`` over a dict of arrays and the optax state."""
     tx = optax.adam(LEARNING_RATE)
     params = model_params(make_model(layers))
     opt_state = tx.init(params)
 
-    def forward(params, x):
-        for i in range(layers):
-            layer = params[f"l{i}"]
-            x = jax.nn.relu(x @ layer["kernel"] + layer["bias"])
-        return x
-
     def train_step(params, opt_state, x, y):
         TRACES[FLOOR] += 1
 
         def loss_fn(params):
-            return jnp.mean((forward(params, x) - y) ** 2)
+            return jnp.mean((forward_arrays(params, x, layers) - y) ** 2)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -192,11 +224,62 @@ def variant_floor(layers: int) -> tuple[Call, State]:
     return call, (params, opt_state, *make_batch())
 
 
+def variant_meshlift_shard_map(layers: int) -> tuple[Call, State]:
+    """``ml.shard_map``, data parallel on 8 devices, updates written back."""
+    mesh = data_mesh()
+    step = ml.shard_map(
+        make_train_step("meshlift.shard_map", data_axis="data"),
+        mesh=mesh,
+        in_specs=(P(), P(), P("data"), P("data")),
+        out_specs=P(),
+    )
+    model, optimizer, _, _ = make_nnx_state(layers)
+    return _stateful(step), (model, optimizer, *make_sharded_batch(mesh))
+
+
+def variant_shard_map_floor(layers: int) -> tuple[Call, State]:
+    """Raw ``jax.shard_map`` under ``jax.jit``, the same data-parallel step over arrays."""
+    mesh = data_mesh()
+    tx = optax.adam(LEARNING_RATE)
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(model_params(make_model(layers)), replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+
+    def train_step(params, opt_state, x, y):
+        TRACES[SHARD_MAP_FLOOR] += 1
+
+        def loss_fn(params):
+            loss = jnp.mean((forward_arrays(params, x, layers) - y) ** 2)
+            return jax.lax.pmean(loss, "data")
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(
+        jax.shard_map(
+            train_step,
+            mesh=mesh,
+            in_specs=(P(), P(), P("data"), P("data")),
+            out_specs=(P(), P(), P()),
+        )
+    )
+
+    def call(state):
+        params, opt_state, x, y = state
+        params, opt_state, loss = step(params, opt_state, x, y)
+        return (params, opt_state, x, y), loss
+
+    return call, (params, opt_state, *make_sharded_batch(mesh))
+
+
 VARIANTS: dict[str, Callable[[int], tuple[Call, State]]] = {
     "meshlift.jit": variant_meshlift_jit,
     "nnx.jit": variant_nnx_jit,
     "nnx.jit(graph=False)": variant_nnx_jit_tree,
     FLOOR: variant_floor,
+    "meshlift.shard_map": variant_meshlift_shard_map,
+    SHARD_MAP_FLOOR: variant_shard_map_floor,
 }
 
 
@@ -390,12 +473,15 @@ def compare_to_floor(runs: dict[str, Run]) -> dict[str, str | None]:
 def summarize(all_runs: dict[int, dict[str, Run]]) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     for layers, runs in all_runs.items():
-        floor = runs.get(FLOOR)
-        floor_us = statistics.median(floor.samples_us) if floor and floor.samples_us else None
+        medians = {
+            name: statistics.median(run.samples_us) if run.samples_us else None
+            for name, run in runs.items()
+        }
         for name, run in runs.items():
-            median = statistics.median(run.samples_us) if run.samples_us else None
+            median, floor_us = medians[name], medians.get(BASELINE.get(name, FLOOR))
             results.setdefault(name, {})[str(layers)] = {
                 "median_us": median,
+                "floor": BASELINE.get(name, FLOOR),
                 "ratio_to_floor": (median / floor_us if median is not None and floor_us else None),
                 "min_us": min(run.samples_us) if run.samples_us else None,
                 "samples_us": run.samples_us,
@@ -417,7 +503,8 @@ def print_table(console: Console, meta: dict[str, Any], results, checks) -> None
         f"MLP width {WIDTH}, input (1, {WIDTH}), Adam; median over "
         f"{meta['rounds']} interleaved rounds, each ~{meta['target_ms']:.0f} ms "
         f"of back-to-back calls per variant "
-        f"(gc {'on' if meta['gc_during_batches'] else 'off'} inside batches)"
+        f"(gc {'on' if meta['gc_during_batches'] else 'off'} inside batches); "
+        f"shard_map variants data parallel on {meta['shard_map_devices']} device(s)"
     )
     table = Table(title="train-step dispatch, µs per call (median)")
     table.add_column("variant")
@@ -437,6 +524,8 @@ def print_table(console: Console, meta: dict[str, Any], results, checks) -> None
             row.append(f"{cell['ratio_to_floor']:.2f}×")
         table.add_row(*row)
     console.print(table)
+    for name, floor in BASELINE.items():
+        console.print(f"{name}: vs {floor}; every other variant: vs {FLOOR}")
 
     for name in results:
         for layers, cell in results[name].items():
@@ -465,6 +554,7 @@ def print_table(console: Console, meta: dict[str, Any], results, checks) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DATA_DEVICES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 32, 128])
     parser.add_argument(
@@ -472,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.0,
         help="scale the number of rounds and the batch length "
-        "(1 = the default run, about 2 minutes on 2 cores; 0.2 = smoke test)",
+        "(1 = the default run, about 3 minutes on 2 cores; 0.2 = smoke test)",
     )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON on stdout")
     parser.add_argument(
@@ -481,7 +571,15 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the garbage collector on while timing "
         "(default: off inside each batch, like timeit)",
     )
+    parser.add_argument(
+        "--shard-map-devices",
+        type=int,
+        default=DATA_DEVICES,
+        help="size of the shard_map variants' data-parallel mesh (default %(default)s; "
+        "1 isolates dispatch from the cost of executing on simulated devices)",
+    )
     args = parser.parse_args(argv)
+    DATA_DEVICES = args.shard_map_devices
 
     started = time.perf_counter()
     log = Console(stderr=True)
@@ -514,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "cpu_count": os.cpu_count(),
         "layers": args.layers,
+        "shard_map_devices": DATA_DEVICES,
         "rounds": rounds,
         "target_ms": target_s * 1e3,
         "gc_during_batches": args.gc,

@@ -1,0 +1,136 @@
+"""Old ``jax.experimental.pjit`` code on today's ``jax.jit``: ``ml.pjit`` and ``ml.transform("pjit", ...)``.
+
+Specs are given as ``in_axis_resources``/``out_axis_resources`` (or the later
+``in_shardings``/``out_shardings``), ``None`` means replicated, and the mesh
+is the one in context at each call. Each mesh gets its own compiled program.
+
+Example::
+
+    import jax.numpy as jnp
+    import meshlift as ml
+    from jax.sharding import PartitionSpec as P
+
+    f = ml.pjit(lambda x: x * 2, in_axis_resources=P("data"), out_axis_resources=None)
+    with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
+        y = f(jnp.arange(8.0))          # replicated on the 2x4 mesh
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import jax
+
+import meshlift as ml
+from meshlift_pjit.context import call_site_mesh
+from meshlift_pjit.specs import UNSPECIFIED, legacy_specs, pick
+
+try:
+    __version__ = version("meshlift-pjit")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0+unknown"
+
+__all__ = ["BACKEND", "UNSPECIFIED", "call_site_mesh", "pjit", "stage", "unify"]
+
+_OLD_NAMES = (("in_axis_resources", "in_specs"), ("out_axis_resources", "out_specs"))
+
+
+def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
+    """``jax.jit`` over the pure function, with shardings resolved on the call-site mesh."""
+    return jax.jit(
+        fn,
+        in_shardings=spec.in_specs,
+        out_shardings=spec.out_specs,
+        donate_argnums=spec.donate_argnums,
+        **spec.options,
+    )
+
+
+def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``ml.transform("pjit", ...)``'s arguments read the way ``ml.pjit`` reads them.
+
+    ``in_axis_resources``/``out_axis_resources`` are accepted for ``in_specs``/
+    ``out_specs``, ``None`` inside a spec tree means replicated, and without
+    ``mesh=`` the mesh is looked up at each call.
+    """
+    options = dict(kwargs["options"])
+    unified = dict(kwargs)
+    names = []
+    for old, new in _OLD_NAMES:
+        given = UNSPECIFIED if kwargs[new] is None else kwargs[new]
+        name, specs = pick(old, options.pop(old, UNSPECIFIED), new, given)
+        unified[new] = legacy_specs(specs)
+        names.append(name)
+    if kwargs["mesh"] is None:
+        unified["mesh"] = call_site_mesh
+    return {**unified, "options": options, "spec_names": tuple(names)}
+
+
+def pjit(
+    fun: Callable[..., Any],
+    in_axis_resources: Any = UNSPECIFIED,
+    out_axis_resources: Any = UNSPECIFIED,
+    static_argnums: int | Iterable[int] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    *,
+    in_shardings: Any = UNSPECIFIED,
+    out_shardings: Any = UNSPECIFIED,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+) -> ml.Lifted:
+    """Old ``pjit`` over modules, plans and pytrees, with the mesh taken at each call.
+
+    Spec trees are pytree prefixes of the positional arguments and the output,
+    with ``PartitionSpec``, ``NamedSharding``, ``StateSharding`` or ``None``
+    (replicated) leaves; lists are read as tuples. ``in_shardings`` and
+    ``out_shardings`` are the later names of the same arguments. Keyword
+    arguments of ``fun`` are allowed and, as in ``jax.jit``, take no specs.
+    ``keep_unused`` is ``jax.jit``'s.
+
+    Example::
+
+        step = ml.pjit(train_step, in_axis_resources=(plan, P("data")),
+                       out_axis_resources=(plan, None))
+        with ml.use_mesh(mesh):
+            params, loss = step(params, batch)
+    """
+    in_name, in_specs = pick("in_axis_resources", in_axis_resources, "in_shardings", in_shardings)
+    out_name, out_specs = pick(
+        "out_axis_resources", out_axis_resources, "out_shardings", out_shardings
+    )
+    options = {"keep_unused": True} if keep_unused else {}
+    name = getattr(fun, "__qualname__", "the pjit'd function")
+    return ml.Lifted(
+        fun,
+        backend=BACKEND,
+        mesh=functools.partial(call_site_mesh, name),
+        in_specs=legacy_specs(in_specs),
+        out_specs=legacy_specs(out_specs),
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        options=options,
+        spec_names=(in_name, out_name),
+    )
+
+
+BACKEND = ml.Backend(
+    name="pjit",
+    stage=stage,
+    frontend=pjit,
+    unify=unify,
+    version=__version__,
+    distribution="meshlift-pjit",
+    capabilities={"auto-partitioning", "global-rng", "stages", "donation", "call-site-mesh"},
+    description="old pjit semantics (in_axis_resources, call-site mesh) on jax.jit, per mesh",
+)
+
+
+@ml.hookimpl
+def meshlift_register_backends(register: Callable[[ml.Backend], None]) -> None:
+    register(BACKEND)

@@ -1,0 +1,153 @@
+"""The ``jax.shard_map`` backend for meshlift: ``ml.shard_map`` and ``ml.transform("shard_map", ...)``.
+
+The function runs once per device on its shards of modules and data, with
+collectives (``psum``, ``pmean``, ``all_gather``...) written by hand. Specs
+are pytree prefixes of the arguments and outputs whose leaves are
+``PartitionSpec``s or ``StateSharding`` plans, as for ``ml.jit``.
+
+Example::
+
+    import meshlift as ml
+    from jax.sharding import PartitionSpec as P
+
+    @ml.shard_map(mesh=mesh, in_specs=(plan, P("data")), out_specs=P("data"))
+    def forward(model, x):
+        return jax.lax.psum(model(x), "model")
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from jax.sharding import AbstractMesh, Mesh
+
+import meshlift as ml
+from meshlift_shard_map.options import normalize
+from meshlift_shard_map.staging import AxisNameError, stage
+
+try:
+    __version__ = version("meshlift-shard-map")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0+unknown"
+
+__all__ = ["BACKEND", "AxisNameError", "shard_map", "stage"]
+
+
+def shard_map(
+    f: Callable[..., Any] | None = None,
+    /,
+    *,
+    in_specs: Any,
+    out_specs: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    axis_names: Iterable[str] = frozenset(),
+    check_vma: bool = True,
+    jit: bool = True,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    check_rep: bool | None = None,
+    auto: Iterable[str] | None = None,
+) -> Any:
+    """``jax.shard_map`` over functions of NNX modules, optimizers and arrays, with write-back.
+
+    ``in_specs``/``out_specs`` are pytree prefixes of the positional arguments
+    and the output; leaves are ``PartitionSpec``, ``NamedSharding``,
+    ``StateSharding`` or ``None`` (replicated). Variables updated inside are
+    written back with the spec they came in with. ``mesh`` is a ``Mesh``, an
+    ``AbstractMesh`` (matched against the ``ml.use_mesh`` mesh at each call),
+    or omitted to use the ``ml.use_mesh`` mesh. ``axis_names`` are the manual
+    axes (default: all). ``check_vma`` stays on unless you know why: without
+    it the transpose of ``psum`` is ``psum``, and gradients upstream of a
+    row-parallel ``psum`` come out multiplied by the axis size. ``jit=True``
+    wraps the map in ``jax.jit`` (one compile, then cached), which is also
+    what makes ``donate_argnums`` possible. ``check_rep`` and ``auto`` are
+    the deprecated names from ``jax.experimental.shard_map``.
+
+    Example::
+
+        @ml.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+        def forward(model, x):
+            return model(x)
+
+        y = forward(model, x)          # each device runs model on its 1/8 of x
+    """
+    options = {
+        name: value
+        for name, value, default in (
+            ("axis_names", frozenset(axis_names), frozenset()),
+            ("check_vma", check_vma, True),
+            ("jit", jit, True),
+            ("check_rep", check_rep, None),
+            ("auto", auto, None),
+        )
+        if value != default
+    }
+    lift = functools.partial(
+        ml.Lifted,
+        backend=BACKEND,
+        mesh=_call_site_mesh(mesh),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        options=normalize(options),
+    )
+    return lift if f is None else lift(f)
+
+
+def _call_site_mesh(mesh: Mesh | AbstractMesh | None) -> Any:
+    """What the core calls for the mesh: an AbstractMesh becomes the matching context mesh."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    if not isinstance(mesh, AbstractMesh):
+        raise TypeError(
+            f"shard_map's mesh= takes a Mesh or an AbstractMesh, got {type(mesh).__name__}: "
+            f"{mesh!r}; make one with ml.make_mesh({{'data': 2, 'model': 4}})"
+        )
+
+    def resolve() -> Mesh:
+        concrete = ml.current_mesh()
+        if isinstance(concrete, Mesh) and concrete.shape_tuple == mesh.shape_tuple:
+            return concrete
+        found = dict(concrete.shape) if concrete is not None else "no mesh"
+        raise ValueError(
+            f"shard_map was given the abstract mesh {dict(mesh.shape)}, which needs a "
+            f"device mesh of that shape at the call site, but found {found}; call it "
+            f"inside `with ml.use_mesh(mesh):` with such a mesh, or pass the Mesh itself"
+        )
+
+    return resolve
+
+
+def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``ml.transform("shard_map", ...)``'s arguments read as ``ml.shard_map`` reads them:
+    an AbstractMesh is matched at the call site, and old option names are converted."""
+    return {
+        **kwargs,
+        "mesh": _call_site_mesh(kwargs["mesh"]),
+        "options": normalize(dict(kwargs["options"])),
+    }
+
+
+BACKEND = ml.Backend(
+    name="shard_map",
+    stage=stage,
+    frontend=shard_map,
+    unify=unify,
+    version=__version__,
+    distribution="meshlift-shard-map",
+    capabilities={"manual-collectives", "stages", "donation", "partial-manual"},
+    description="jax.shard_map under jax.jit: per-device code with hand-written collectives",
+)
+
+
+@ml.hookimpl
+def meshlift_register_backends(register: Callable[[ml.Backend], None]) -> None:
+    register(BACKEND)
