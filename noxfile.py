@@ -15,7 +15,7 @@ nox.options.sessions = ["tests"]
 
 # The backend distributions under plugins/. Adding a backend is one entry here:
 # its package is installed in every session and it gets a `tests-<name>` session.
-BACKENDS = ["jit"]
+BACKENDS = ["jit", "shard-map", "pjit"]
 
 PACKAGES = {"core": "packages/meshlift"} | {b: f"plugins/meshlift-{b}" for b in BACKENDS}
 
