@@ -67,10 +67,10 @@ FLOOR = "jax.jit floor"
 SHARD_MAP_FLOOR = "jax.shard_map floor"
 # Each variant's ratio is to its own floor: the jax.jit floor unless named here.
 BASELINE = {"meshlift.shard_map": SHARD_MAP_FLOOR}
-# The shard_map variants' 1-D "data" mesh (--shard-map-devices): with 8
-# simulated devices on a 2-core host the step's execution, not its dispatch,
-# takes most of each call; see benchmarks/README.md.
-DATA_DEVICES = 8
+# The shard_map variants' 1-D "data" mesh (--shard-map-devices). One device, like
+# every other variant: with 8 simulated devices on a 2-core host the step's
+# execution, not its dispatch, takes most of each call; see benchmarks/README.md.
+DATA_DEVICES = 1
 
 # Python-side trace counters: train_step bumps its variant's entry, which only
 # happens while JAX traces it. One trace per variant and depth is expected.

@@ -1,7 +1,9 @@
-"""`meshlift demo` trains, and the parameters end up sharded by its plan."""
+"""`meshlift demo`: every installed backend trains the transformer to the same parameters."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -9,65 +11,110 @@ import sys
 
 import pytest
 
+import meshlift as ml
 from meshlift import demo
 
-# What demo.PLAN says, as JSON specs (a list entry per array dimension).
-EXPECTED_SPECS = {
-    "linear1.kernel": [None, "model"],
-    "linear1.bias": ["model"],
-    "linear2.kernel": ["model", None],
-    "linear2.bias": [],
-}
+STEPS = "8"
 
 
-def _normalize(spec: list) -> list:
+def _normalize(spec: list | None) -> list:
     """Trailing None entries mean the same as leaving them out."""
+    spec = list(spec or [])
     while spec and spec[-1] is None:
         spec = spec[:-1]
     return spec
 
 
 def run_json(capsys, *argv: str) -> dict:
-    assert demo.main(["--steps", "20", "--json", *argv]) == 0
+    assert demo.main(["--steps", STEPS, "--json", *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("mesh", [None, "data=4,model=2"])
-def test_demo_trains_and_shards(capsys, mesh):
-    result = run_json(capsys, *(["--mesh", mesh] if mesh else []))
-
-    expected_mesh = {"data": 4, "model": 2} if mesh else {"data": 2, "model": 4}
-    assert result["mesh"] == expected_mesh
-    assert len(result["losses"]) == result["steps"] == 20
-    assert result["final_loss"] < 0.75 * result["first_loss"]
-
-    params = {row["path"]: row for row in result["params"]}
-    assert set(params) == set(EXPECTED_SPECS)
-    for path, spec in EXPECTED_SPECS.items():
-        assert _normalize(params[path]["spec"]) == _normalize(spec), path
-    # linear1.kernel is (64, 256) float32, split 'model' ways by columns.
-    kernel = params["linear1.kernel"]
-    assert kernel["shape"] == [64, 256] and kernel["dtype"] == "float32"
-    assert kernel["bytes_per_device"] == 64 * 256 * 4 // expected_mesh["model"]
+@pytest.fixture(scope="module")
+def result() -> dict:
+    """One default run (all backends, mesh data=2,model=4), shared by the checks below."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert demo.main(["--steps", STEPS, "--json", "--seed", "3"]) == 0
+    return json.loads(out.getvalue())
 
 
-def test_demo_is_deterministic(capsys):
-    first, second = run_json(capsys, "--seed", "3"), run_json(capsys, "--seed", "3")
-    assert first["losses"] == second["losses"]
+def test_every_installed_backend_ran(result):
+    ran = [r["backend"] for r in result["backends"]]
+    assert sorted(ran) == sorted(b.name for b in ml.backends())
+    assert ran[0] == result["reference"] == "jit"
+    assert result["mesh"] == {"data": 2, "model": 4}
+
+
+def test_loss_decreased(result):
+    for r in result["backends"]:
+        assert len(r["losses"]) == int(STEPS)
+        assert r["final_loss"] < 0.85 * r["first_loss"], r["backend"]
+
+
+def test_backends_agree_with_jit(result):
+    assert result["agree"]
+    for r in result["backends"]:
+        assert r["max_abs_diff"] <= 1e-5, r["backend"]
+        assert r["final_loss"] == pytest.approx(result["backends"][0]["final_loss"], abs=1e-5)
+
+
+def test_parameters_are_sharded_by_the_plan(result):
+    planned = {row["path"]: _normalize(row["spec"]) for row in result["plan"]["rows"]}
+    assert planned["blocks.0.attention.query.kernel"] == [None, "model"]
+    assert planned["blocks.0.down.kernel"] == ["model"]
+    assert planned["embed.embedding"] == ["model"]
+    for r in result["backends"]:
+        params = {row["path"]: row for row in r["params"]}
+        assert set(params) == set(planned), r["backend"]
+        assert all(row["matches_plan"] for row in r["params"]), r["backend"]
+        if "auto-partitioning" in r["capabilities"]:
+            for path, spec in planned.items():
+                assert _normalize(params[path]["spec"]) == spec, (r["backend"], path)
+            assert r["param_bytes_per_device"] == result["plan"]["bytes_per_device"]
+        else:  # per-shard backends replicate the parameters
+            assert r["param_bytes_per_device"] == result["plan"]["total_bytes"]
+
+
+def test_demo_is_deterministic(capsys, result):
+    again = run_json(capsys, "--seed", "3", "--backends", "jit")
+    assert again["backends"][0]["losses"] == result["backends"][0]["losses"]
+    other = run_json(capsys, "--seed", "4", "--backends", "jit")
+    assert other["backends"][0]["losses"] != result["backends"][0]["losses"]
+
+
+def test_demo_exits_nonzero_when_backends_disagree(capsys, monkeypatch):
+    monkeypatch.setattr(demo, "TOLERANCE", -1.0)  # nothing can agree to a negative tolerance
+    assert demo.main(["--steps", "1", "--json", "--backends", "jit"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["agree"] is False
+    assert "the backends do not agree" in captured.err
 
 
 def test_demo_tables(capsys):
-    assert demo.main(["--steps", "3"]) == 0
+    assert demo.main(["--steps", "2", "--mesh", "data=4,model=2"]) == 0
     out = capsys.readouterr().out
-    assert "final loss" in out
-    assert "linear1.kernel" in out and "P(None, 'model')" in out
+    for name in [b.name for b in ml.backends()]:
+        assert name in out
+    assert "Δparameter" in out and "agree with jit to 1e-05" in out
+    assert "blocks.0.up.kernel" in out and "P(None, 'model')" in out  # the explain table
 
 
-def test_demo_rejects_bad_mesh(capsys):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mesh", "data=2"],
+        ["--mesh", "data=3,model=4"],
+        ["--mesh", "rows=2,model=4"],
+        ["--backends", "no-such-backend"],
+        ["--steps", "0"],
+    ],
+)
+def test_demo_rejects_bad_arguments(capsys, argv):
     with pytest.raises(SystemExit) as exc:
-        demo.main(["--mesh", "data=2"])
+        demo.main(argv)
     assert exc.value.code == 2
-    assert "data" in capsys.readouterr().err
+    assert "meshlift demo: error" in capsys.readouterr().err
 
 
 def test_demo_too_few_devices_exits_nonzero():
@@ -84,4 +131,4 @@ def test_demo_too_few_devices_exits_nonzero():
         timeout=120,
     )
     assert proc.returncode == 1, proc.stderr
-    assert "needs 8 devices, but JAX has 2 cpu devices" in proc.stderr
+    assert "needs 8 devices, but JAX has 2 cpu device(s)" in proc.stderr

@@ -1,134 +1,291 @@
-"""``meshlift demo``: train a tensor-parallel MLP on 8 simulated CPU devices.
+"""``meshlift demo``: one transformer, one plan, every installed backend, the same result.
 
-The whole of meshlift in one file: an NNX model, one sharding plan, one mesh,
-and a train step lifted with ``ml.jit``. Read it top to bottom as example code::
+A small character-level transformer language model trains on a text shipped
+with meshlift (``meshlift/data/demo_text.txt``), on 8 simulated CPU devices
+arranged as a ``data`` × ``model`` mesh. It trains once per installed backend
+(``ml.backends()``), from the same initial parameters on the same batches:
 
-    meshlift demo --steps 100 --mesh data=2,model=4
-    python -m meshlift.demo --json
+- backends that partition automatically (``jit``, ``pjit``: capability
+  ``auto-partitioning``) run the global train step with a tensor-parallel
+  plan: attention heads, the MLP and the vocabulary split over ``model``,
+  the batch over ``data``;
+- backends that run per-shard code (``shard_map``: capability
+  ``manual-collectives``) run the same step on one shard of the batch, with
+  the loss averaged over ``data`` by ``jax.lax.pmean`` inside the
+  differentiated function, and a plan that replicates the parameters.
+
+Then it prints, per backend, the final loss, the largest difference of any
+parameter from the ``jit`` backend's, the median step time and the parameter
+bytes per device, and ``ml.explain``'s table of the plan. It exits with status 1
+if any backend's parameters differ from ``jit``'s by more than 1e-5.
+
+Read it top to bottom as example code::
+
+    meshlift demo
+    meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map --json
 """
 
 from __future__ import annotations
 
 import os
 
-# Simulate 8 CPU devices. XLA reads this when JAX first creates its devices, so it
-# must be set before anything touches them (main() checks that it was in time).
+# Simulate 8 CPU devices (on any machine, GPUs included: the demo is about the mesh, not
+# speed). XLA reads these when JAX first creates its devices, so they must be set before
+# anything touches them; main() checks that they were in time and says why if not.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+if "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse
+import importlib.resources
 import json
 import math
+import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
 
-# Megatron-style tensor parallelism: linear1 is split by columns, linear2 by rows,
-# so the hidden activations never leave their "model" shard. Adam's state follows
-# the same plan, because its paths end with the parameters' paths.
-PLAN = ml.StateSharding(
+VOCAB = 128  # bytes of ASCII text
+EMBED, HEADS, MLP, LAYERS = 64, 8, 256, 2
+SEQ, BATCH = 32, 16
+LEARNING_RATE = 1e-2
+TOLERANCE = 1e-5  # max |Δparameter| allowed against the reference backend
+
+
+# -- the model ------------------------------------------------------------------------------
+# No biases anywhere: a bias whose true gradient is zero (a key bias in attention, a bias
+# right before a norm) gets a gradient of pure float32 rounding, which differs with each
+# backend's reduction order; plain weights keep the backends in step to 1e-5.
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm1 = nnx.RMSNorm(EMBED, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=HEADS, in_features=EMBED, use_bias=False, decode=False, rngs=rngs
+        )
+        self.norm2 = nnx.RMSNorm(EMBED, rngs=rngs)
+        self.up = nnx.Linear(EMBED, MLP, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(MLP, EMBED, use_bias=False, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attention(self.norm1(x), mask=mask)
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class CharTransformer(nnx.Module):
+    """Characters in, next-character logits out; the output projection is the embedding."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, EMBED, rngs=rngs)
+        self.position = nnx.Embed(SEQ, EMBED, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+        self.norm = nnx.RMSNorm(EMBED, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens) + self.position(jnp.arange(tokens.shape[-1]))
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(self.norm(x))  # tied output projection
+
+
+# -- the plans ------------------------------------------------------------------------------
+# Megatron-style tensor parallelism: query/key/value split by heads (columns), the
+# attention output and the MLP's down projection by rows, the MLP's up projection by
+# columns, the (tied) embedding by vocabulary. The optimizer's state follows the same plan,
+# because its paths end with the parameters' paths.
+TENSOR_PARALLEL = ml.StateSharding(
     {
-        ml.path_endswith("linear1", "kernel"): P(None, "model"),
-        ml.path_endswith("linear1", "bias"): P("model"),
-        ml.path_endswith("linear2", "kernel"): P("model", None),
-        ...: P(),  # everything else replicated
+        ml.path_endswith("query", "kernel"): P(None, "model", None),
+        ml.path_endswith("key", "kernel"): P(None, "model", None),
+        ml.path_endswith("value", "kernel"): P(None, "model", None),
+        ml.path_endswith("out", "kernel"): P("model", None, None),
+        ml.path_endswith("up", "kernel"): P(None, "model"),
+        ml.path_endswith("down", "kernel"): P("model", None),
+        ml.path_endswith("embed", "embedding"): P("model", None),
+        ...: P(),  # norms and positions: replicated
     }
 )
-
-FEATURES, HIDDEN, BATCH = 64, 256, 64
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.linear1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
-        self.linear2 = nnx.Linear(HIDDEN, FEATURES, rngs=rngs)
-
-    def __call__(self, x):
-        return self.linear2(jax.nn.relu(self.linear1(x)))
+# Per-shard code sees whole parameters; sharding them over 'model' would need psums inside
+# the model. So under shard_map the parameters are replicated and only the batch is split.
+REPLICATED = ml.StateSharding({...: P()})
 
 
-def train_step(model: MLP, optimizer: nnx.Optimizer, x, y):
-    def loss_fn(model):
-        return jnp.mean((model(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)  # updates land on the caller's model and optimizer
-    return loss
+def loss_fn(model: CharTransformer, tokens, targets):
+    logits = model(tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def make_data(seed: int, steps: int):
-    """A fixed synthetic regression task: y = sin(x @ A), with x ~ N(0, 1)."""
+def make_train_step(data_axis: str | None):
+    """The train step; with ``data_axis`` it runs on one shard of the batch (shard_map).
+
+    On a shard, the loss is averaged over ``data_axis`` inside the differentiated
+    function, so its gradient is the global gradient. (Averaging the gradients
+    afterwards would double count under shard_map's check_vma=True, which already
+    sums the gradients of replicated parameters over the axis.)
+    """
+
+    def global_loss(model, tokens, targets):
+        loss = loss_fn(model, tokens, targets)
+        return loss if data_axis is None else jax.lax.pmean(loss, data_axis)
+
+    def train_step(model, optimizer, tokens, targets):
+        loss, grads = nnx.value_and_grad(global_loss)(model, tokens, targets)
+        optimizer.update(model, grads)  # updates land on the caller's model and optimizer
+        return loss
+
+    return train_step
+
+
+def make_state(seed: int) -> tuple[CharTransformer, nnx.Optimizer]:
+    model = CharTransformer(nnx.Rngs(seed))
+    # Adam divides by |g| + eps: with the default eps=1e-8, float32 rounding in tiny
+    # gradients is amplified to whole learning-rate steps. eps=1e-3 bounds that.
+    optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE, eps=1e-3), wrt=nnx.Param)
+    return model, optimizer
+
+
+# -- the data -------------------------------------------------------------------------------
+def load_text() -> np.ndarray:
+    """The bundled text as bytes (its characters are ASCII, so each is one token < 128)."""
+    data = importlib.resources.files("meshlift").joinpath("data", "demo_text.txt").read_bytes()
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int32) % VOCAB
+
+
+def make_batches(seed: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` batches of (tokens, next tokens) at random places in the text."""
+    text = load_text()
     rng = np.random.default_rng(seed)
-    a = rng.normal(size=(FEATURES, FEATURES)).astype(np.float32) / np.sqrt(FEATURES)
+    batches = []
     for _ in range(steps):
-        x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
-        yield x, np.sin(x @ a)
+        starts = rng.integers(0, len(text) - SEQ - 1, size=BATCH)
+        window = np.stack([text[s : s + SEQ + 1] for s in starts])
+        batches.append((window[:, :-1], window[:, 1:]))
+    return batches
 
 
-def parameter_rows(model: nnx.Module) -> list[dict]:
-    """Path, shape, dtype, and the sharding each parameter's array actually has."""
+# -- training under one backend -------------------------------------------------------------
+def train(
+    backend: ml.Backend,
+    mesh: jax.sharding.Mesh,
+    seed: int,
+    batches: list[tuple[np.ndarray, np.ndarray]],
+    progress: Any,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Train with one backend; returns its results and its final parameters by path."""
+    manual = "manual-collectives" in backend.capabilities
+    plan = REPLICATED if manual else TENSOR_PARALLEL
+    model, optimizer = make_state(seed)  # the same initial parameters for every backend
+    step = ml.transform(
+        backend,
+        make_train_step("data" if manual else None),
+        mesh=mesh,
+        in_specs=(plan, plan, P("data"), P("data")),  # model, optimizer, tokens, targets
+        out_specs=P(),
+    )
+    task = progress.add_task(backend.name, total=len(batches), loss=float("nan"))
+    losses, seconds = [], []
+    with ml.use_mesh(mesh):  # pjit takes the mesh from the call site
+        for tokens, targets in batches:
+            start = time.perf_counter()
+            losses.append(float(step(model, optimizer, tokens, targets)))
+            seconds.append(time.perf_counter() - start)
+            progress.update(task, advance=1, loss=losses[-1])
+    params = parameter_rows(model, plan, mesh)
+    arrays = {_dotted(path): np.asarray(p.get_value()) for path, p in _flat_params(model)}
+    return (
+        {
+            "backend": backend.name,
+            "capabilities": sorted(backend.capabilities),
+            "plan": "replicated" if manual else "tensor-parallel",
+            "first_loss": losses[0],
+            "final_loss": losses[-1],
+            "losses": losses,
+            "first_step_s": round(seconds[0], 4),  # tracing and compiling
+            "median_step_ms": round(1e3 * statistics.median(seconds[1:] or seconds), 3),
+            "param_bytes_per_device": sum(row["bytes_per_device"] for row in params),
+            "params": params,
+        },
+        arrays,
+    )
+
+
+def _flat_params(model: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
+    return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(map(str, path))
+
+
+def parameter_rows(
+    model: nnx.Module, plan: ml.StateSharding, mesh: jax.sharding.Mesh
+) -> list[dict[str, Any]]:
+    """Each parameter: path, shape, the spec its array has, and whether that is the plan's."""
     rows = []
-    for path, param in nnx.iter_graph(model):
-        if isinstance(param, nnx.Param):
-            array = param[...]
-            shard_shape = array.sharding.shard_shape(array.shape)
-            rows.append(
-                {
-                    "path": ".".join(map(str, path)),
-                    "shape": list(array.shape),
-                    "dtype": str(array.dtype),
-                    "spec": list(array.sharding.spec),
-                    "bytes_per_device": math.prod(shard_shape) * array.dtype.itemsize,
-                }
-            )
+    for path, param in _flat_params(model):
+        array = param.get_value()
+        planned = NamedSharding(mesh, plan.spec_for(path, param))
+        rows.append(
+            {
+                "path": _dotted(path),
+                "shape": list(array.shape),
+                "spec": [list(e) if isinstance(e, tuple) else e for e in array.sharding.spec],
+                "matches_plan": array.sharding.is_equivalent_to(planned, array.ndim),
+                "bytes_per_device": math.prod(array.sharding.shard_shape(array.shape))
+                * array.dtype.itemsize,
+            }
+        )
     return rows
 
 
-def train(steps: int, mesh_axes: dict[str, int], seed: int, show_progress: bool) -> dict:
-    mesh = ml.make_mesh(mesh_axes)
-    model = MLP(nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    step = ml.jit(
-        train_step,
-        in_shardings=(PLAN, PLAN, P("data"), P("data")),  # model, optimizer, x, y
-        out_shardings=P(),
-        mesh=mesh,
-    )
-
-    losses = []
-    start = time.perf_counter()
-    with ml.use_mesh(mesh), _progress(show_progress) as progress:
-        task = progress.add_task("training", total=steps, loss=float("nan"))
-        for x, y in make_data(seed, steps):
-            losses.append(float(step(model, optimizer, x, y)))
-            progress.update(task, advance=1, loss=losses[-1])
+def run(
+    backend_names: list[str], mesh_axes: dict[str, int], steps: int, seed: int, show: bool
+) -> tuple[dict[str, Any], ml.Explanation]:
+    """Train with each backend in turn; the results as plain data, and the plan explained."""
+    mesh = ml.make_mesh(mesh_axes, devices=jax.devices()[: math.prod(mesh_axes.values())])
+    batches = make_batches(seed, steps)
+    with _progress(show) as progress:
+        runs = [
+            train(ml.get_backend(name), mesh, seed, batches, progress) for name in backend_names
+        ]
+    reference = "jit" if "jit" in backend_names else backend_names[0]
+    ref = runs[backend_names.index(reference)][1]
+    results = []
+    for r, arrays in runs:
+        r["max_abs_diff"] = max(float(np.max(np.abs(arrays[p] - ref[p]))) for p in ref)
+        results.append(r)
+    explanation = ml.explain(nnx.eval_shape(lambda: make_state(seed)[0]), TENSOR_PARALLEL, mesh)
     return {
         "mesh": dict(mesh.shape),
         "steps": steps,
         "seed": seed,
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
-        "losses": losses,
-        "seconds": round(time.perf_counter() - start, 3),
-        "params": parameter_rows(model),
-    }
+        "reference": reference,
+        "tolerance": TOLERANCE,
+        "agree": all(r["max_abs_diff"] <= TOLERANCE for r in results),
+        "backends": results,
+        "plan": explanation.to_dict(),
+    }, explanation
 
 
+# -- output ---------------------------------------------------------------------------------
 def _progress(show: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("[bold]{task.description:>10}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
@@ -137,29 +294,77 @@ def _progress(show: bool):
     )
 
 
-def _print_tables(result: dict) -> None:
+def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    console.print(
-        f"final loss [bold]{result['final_loss']:.4f}[/] (first {result['first_loss']:.4f}), "
-        f"{result['steps']} steps on mesh {_mesh_str(result['mesh'])}, {result['seconds']:.1f}s"
+    # Piped (as under nox), rich assumes 80 columns, which wraps the tables; allow 120.
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    table = Table(
+        title=f"{result['steps']} steps of a character-level transformer on mesh "
+        f"{_mesh_str(result['mesh'])}, seed {result['seed']}"
     )
-    table = Table(title="parameters after training (read from the arrays)")
-    for column in ("path", "shape", "dtype", "sharding spec", "bytes per device"):
-        table.add_column(column, justify="right" if column == "bytes per device" else "left")
-    for row in result["params"]:
+    table.add_column("backend")
+    table.add_column("plan")
+    table.add_column("loss", justify="right")
+    table.add_column(f"max |Δparameter| vs {result['reference']}", justify="right")
+    table.add_column("median step", justify="right")
+    table.add_column("first step (compile)", justify="right")
+    table.add_column("parameter bytes/device", justify="right")
+    for r in result["backends"]:
+        ok = r["max_abs_diff"] <= result["tolerance"]
         table.add_row(
-            row["path"],
-            str(tuple(row["shape"])),
-            row["dtype"],
-            str(P(*row["spec"])),
-            f"{row['bytes_per_device']:,}",
+            r["backend"],
+            r["plan"],
+            f"{r['first_loss']:.3f} → {r['final_loss']:.3f}",
+            f"[{'green' if ok else 'bold red'}]{r['max_abs_diff']:.1e}[/]",
+            f"{r['median_step_ms']:.1f} ms",
+            f"{r['first_step_s']:.1f} s",
+            f"{r['param_bytes_per_device']:,}",
         )
     console.print(table)
+    if result["agree"]:
+        console.print(
+            f"[green]all {len(result['backends'])} backends agree with "
+            f"{result['reference']} to {result['tolerance']:g}[/]"
+        )
+    console.print(
+        "\nthe tensor-parallel plan (what the auto-partitioning backends ran; "
+        "per-shard backends replicate every parameter):"
+    )
+    console.print(explanation)
 
 
+def _disagreement(result: dict[str, Any]) -> str:
+    bad = [r for r in result["backends"] if r["max_abs_diff"] > result["tolerance"]]
+    return "; ".join(
+        f"{r['backend']} differs from {result['reference']} by {r['max_abs_diff']:.2e}" for r in bad
+    )
+
+
+def _too_few_devices(mesh: dict[str, int], needed: int, available: int) -> str:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if f"xla_force_host_platform_device_count={available}" in flags:
+        why = (
+            f"XLA_FLAGS ({flags!r}) asks for {available}, and the demo leaves a count you set "
+            "alone; unset it"
+        )
+    else:
+        why = (
+            "JAX had already created its devices in this process before the demo could ask "
+            "for 8 simulated CPU devices (XLA reads "
+            "XLA_FLAGS=--xla_force_host_platform_device_count only then)"
+        )
+    return (
+        f"meshlift demo: the mesh {_mesh_str(mesh)} needs {needed} devices, but JAX has "
+        f"{available} {jax.default_backend()} device(s): {why}. Run the demo in a fresh process "
+        f"(`meshlift demo`, or JAX_PLATFORMS=cpu "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} python -m meshlift.demo), "
+        f"or pass a --mesh whose sizes multiply to at most {available}."
+    )
+
+
+# -- command line ---------------------------------------------------------------------------
 def _mesh_str(axes: dict[str, int]) -> str:
     return " × ".join(f"{name}={size}" for name, size in axes.items())
 
@@ -171,16 +376,42 @@ def _mesh_arg(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(f"expected NAME=SIZE,NAME=SIZE, got {text!r}") from None
     if set(axes) != {"data", "model"} or min(axes.values()) < 1:
         raise argparse.ArgumentTypeError(
-            f"need positive sizes for axes 'data' and 'model', got {text!r}"
+            f"need positive sizes for axes 'data' and 'model', e.g. data=2,model=4; got {text!r}"
+        )
+    if BATCH % axes["data"] or HEADS % axes["model"]:
+        raise argparse.ArgumentTypeError(
+            f"'data' must divide the batch ({BATCH}) and 'model' the number of attention "
+            f"heads ({HEADS}); got {text!r}"
         )
     return axes
+
+
+def _backends_arg(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    installed = sorted(b.name for b in ml.backends())
+    unknown = [n for n in names if n not in installed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"not installed: {', '.join(unknown) or '(none given)'}; installed backends are "
+            f"{', '.join(installed)} (see `meshlift backends`)"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _default_backends() -> list[str]:
+    names = sorted(b.name for b in ml.backends())
+    return sorted(names, key=lambda n: n != "jit")  # the reference first
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="meshlift demo",
-        description="Train a small tensor-parallel MLP with meshlift on simulated CPU devices.",
-        epilog="example: meshlift demo --steps 200 --mesh data=4,model=2 --seed 1",
+        description=(
+            "Train a small character-level transformer on a bundled text, on 8 simulated CPU "
+            "devices, once with every installed backend, and check that they all end with the "
+            f"same parameters (to {TOLERANCE:g}). Exits 1 if they do not."
+        ),
+        epilog=("example: meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map"),
     )
     parser.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
     parser.add_argument(
@@ -190,31 +421,43 @@ def main(argv: list[str] | None = None) -> int:
         help="mesh axes (default: data=2,model=4)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed for the model and data (default: 0)"
+        "--backends",
+        type=_backends_arg,
+        default=None,
+        help="comma-separated backends to run (default: every installed one, jit first)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed for the parameters and batches (default: 0)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-
-    # A mesh uses every device, and XLA_FLAGS only counts before JAX creates its devices.
-    needed, available = math.prod(args.mesh.values()), jax.device_count()
-    if needed != available:
+    backends = args.backends or _default_backends()
+    if not backends:
         print(
-            f"meshlift demo: the mesh {_mesh_str(args.mesh)} needs {needed} devices, but JAX has "
-            f"{available} {jax.default_backend()} devices. Pass a --mesh whose sizes multiply to "
-            f"{available}, or run the demo in a fresh process with JAX_PLATFORMS=cpu "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}: XLA reads that flag "
-            "only when JAX first creates its devices, so it has no effect once JAX is in use.",
+            "meshlift demo: no backend is installed; install one, e.g. `pip install meshlift-jit`",
             file=sys.stderr,
         )
         return 1
 
-    result = train(args.steps, args.mesh, args.seed, show_progress=not args.json)
+    # A mesh needs its devices, and XLA_FLAGS only counts before JAX creates its devices.
+    needed, available = math.prod(args.mesh.values()), jax.device_count()
+    if needed > available:
+        print(_too_few_devices(args.mesh, needed, available), file=sys.stderr)
+        return 1
+
+    result, explanation = run(backends, args.mesh, args.steps, args.seed, show=not args.json)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        _print_tables(result)
+        _print_tables(result, explanation)
+    if not result["agree"]:
+        print(
+            f"meshlift demo: the backends do not agree to {TOLERANCE:g}: {_disagreement(result)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
