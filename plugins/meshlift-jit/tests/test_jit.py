@@ -392,3 +392,13 @@ def test_transform_jit_is_the_same_backend(mesh):
     assert float(by_name(a_model, a_opt, x, y)) == float(by_object(b_model, b_opt, x, y))
     assert max_abs_diff(a_model, b_model) == 0.0
     assert "jit" in [b.name for b in ml.backends()]
+
+
+def test_a_first_call_under_an_outer_trace_leaks_no_tracer(mesh):
+    model, _ = fresh()
+    x, _ = data()
+    forward = ml.jit(lambda m, x: m(x), in_shardings=(TENSOR_PARALLEL, P("data")), mesh=mesh)
+    jax.make_jaxpr(jax.grad(lambda x: forward(model, x).sum()))(x)  # binds inside a trace
+    assert isinstance(model.linear1.kernel.get_value(), jax.Array)
+    assert not isinstance(model.linear1.kernel.get_value(), jax.core.Tracer)
+    np.testing.assert_allclose(forward(model, x), model(x), rtol=1e-5, atol=1e-6)

@@ -312,21 +312,26 @@ class _Binding:
         return _decode_outputs(user_out, aux.info, self._index_map)
 
     def _place_variables(self, shardings: tuple[Sharding | None, ...]) -> None:
-        """Move Variables whose arrays are not where the plan puts them (once, not per call)."""
+        """Move Variables whose arrays are not where the plan puts them (once, not per call).
+
+        Under an outer trace (jax.jit, make_jaxpr) the moved values are tracers,
+        which must never be written into the caller's objects: then nothing moves.
+        """
         values = self.split.gather()
         misplaced = [
             i
             for i, (value, sharding) in enumerate(zip(values, shardings, strict=True))
             if sharding is not None and getattr(value, "sharding", sharding) != sharding
         ]
-        if misplaced:
-            moved = jax.device_put(
-                [values[i] for i in misplaced], [shardings[i] for i in misplaced]
-            )
-            placed = list(values)
-            for i, value in zip(misplaced, moved, strict=True):
-                placed[i] = value
-            self.split.scatter(misplaced, placed)
+        if not misplaced:
+            return
+        moved = jax.device_put([values[i] for i in misplaced], [shardings[i] for i in misplaced])
+        if any(isinstance(v, jax.core.Tracer) for v in moved):
+            return
+        placed = list(values)
+        for i, value in zip(misplaced, moved, strict=True):
+            placed[i] = value
+        self.split.scatter(misplaced, placed)
 
     def _reshard(self, inputs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
         """``inputs`` with each array put on its planned sharding; None if all already were."""
