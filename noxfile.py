@@ -8,6 +8,8 @@
 Every session installs into a fresh venv with the pins in constraints.txt.
 """
 
+import json
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -104,6 +106,35 @@ def require_accelerator(session: nox.Session) -> None:
 def multiprocess(session: nox.Session) -> None:
     """Two jax.distributed processes x 4 CPU devices on 127.0.0.1, every backend."""
     run_pytest(session, "integration_tests/test_multiprocess.py")
+
+
+# A backend published outside meshlift: meshlift neither imports nor lists it.
+THIRD_PARTY = "docs/examples/meshlift-checkpoint"
+
+
+@nox.session(name="third-party", tags=["third-party"])
+def third_party(session: nox.Session) -> None:
+    """The example third-party backend alone with the core: listed, conformant, integrated."""
+    session.install("-c", "constraints.txt", "-e", PACKAGES["core"], "-e", THIRD_PARTY, "pytest")
+    listing = json.loads(session.run("meshlift", "backends", "--json", silent=True, stderr=None))
+    names = [backend["name"] for backend in listing["backends"]]
+    if names != ["checkpoint"] or listing["errors"]:
+        session.error(
+            f"`meshlift backends` should list only the example backend `checkpoint`, with no "
+            f"load errors; it lists {names}, errors {listing['errors']}"
+        )
+    # The conformance kit against everything installed: here, only `checkpoint`.
+    session.run(
+        "pytest", "-p", "meshlift.testing", "--pyargs", "meshlift.testing.suite", env=XLA_ENV
+    )
+    # The example's own tests, then the integration matrix with it as the only backend.
+    session.run(
+        "pytest",
+        f"{THIRD_PARTY}/tests",
+        "integration_tests/test_matrix.py",
+        *session.posargs,
+        env=XLA_ENV,
+    )
 
 
 @nox.session
