@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from importlib.metadata import version
 
 import attrs
@@ -31,6 +33,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as stop:  # --help, or a usage error argparse already printed
         return int(stop.code or 0)
+    try:
+        return _run(parser, args, rest)
+    except BrokenPipeError:  # `meshlift backends --json | head` closed our stdout early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
     if args.version:
         return _version()
     if args.command is None:
