@@ -126,6 +126,16 @@ def adam(model: nnx.Module, eps: float = 1e-8) -> nnx.Optimizer:
     return nnx.Optimizer(model, optax.adam(1e-2, eps=eps), wrt=nnx.Param)
 
 
+def with_adam(model_type: type[nnx.Module]) -> Callable[[bool], tuple[Any, ...]]:
+    """``make`` for a case: a fresh model (same seed every time) and its Adam optimizer."""
+
+    def make(manual: bool) -> tuple[Any, ...]:
+        model = model_type(nnx.Rngs(0))
+        return model, adam(model)
+
+    return make
+
+
 def batch_of(shape: tuple[int, ...], out: int) -> Callable[[], tuple[jax.Array, jax.Array]]:
     def make() -> tuple[jax.Array, jax.Array]:
         x = jax.random.normal(jax.random.key(1), (BATCH, *shape))
@@ -148,14 +158,9 @@ class MLP(nnx.Module):
         return self.linear2(jax.nn.relu(self.linear1(x)))
 
 
-def make_mlp(manual: bool):
-    model = MLP(nnx.Rngs(0))
-    return model, adam(model)
-
-
 MLP_CASE = Case(
     name="mlp",
-    make=make_mlp,
+    make=with_adam(MLP),
     batch=batch_of((16,), 16),
     plan=ml.StateSharding(
         {
@@ -308,14 +313,9 @@ class Stack(nnx.Module):
         return run(x, self.layers)
 
 
-def make_stack(manual: bool):
-    model = Stack(nnx.Rngs(0))
-    return model, adam(model)
-
-
 STACK_CASE = Case(
     name="scan-stacked-layers",
-    make=make_stack,
+    make=with_adam(Stack),
     batch=batch_of((16,), 16),
     plan=ml.StateSharding.from_metadata(
         nnx.eval_shape(lambda: Stack(nnx.Rngs(0))), (("layers", None), *RULES)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +40,7 @@ from meshlift.sharding import (
     StateSharding,
     format_path,
     is_spec,
+    key_name,
     to_sharding,
     value_shape,
 )
@@ -318,37 +319,19 @@ class _Binding:
         which must never be written into the caller's objects: then nothing moves.
         """
         values = self.split.gather()
-        misplaced = [
-            i
-            for i, (value, sharding) in enumerate(zip(values, shardings, strict=True))
-            if sharding is not None and getattr(value, "sharding", sharding) != sharding
-        ]
-        if not misplaced:
+        placed = _onto(values, shardings)
+        if placed is None or any(isinstance(v, jax.core.Tracer) for v in placed):
             return
-        moved = jax.device_put([values[i] for i in misplaced], [shardings[i] for i in misplaced])
-        if any(isinstance(v, jax.core.Tracer) for v in moved):
-            return
-        placed = list(values)
-        for i, value in zip(misplaced, moved, strict=True):
-            placed[i] = value
-        self.split.scatter(misplaced, placed)
+        self.split.scatter(range(len(placed)), placed)
 
     def _reshard(self, inputs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
         """``inputs`` with each array put on its planned sharding; None if all already were."""
-        moved = False
-
-        def place(x: Any, sharding: Any) -> Any:
-            nonlocal moved
-            if sharding is None or getattr(x, "sharding", sharding) == sharding:
-                return x
-            moved = True
-            return jax.device_put(x, sharding)
-
-        placed = tuple(
-            tuple(map(place, group, specs))
-            for group, specs in zip(inputs, self.in_specs, strict=True)
+        placed = [_onto(group, specs) for group, specs in zip(inputs, self.in_specs, strict=True)]
+        if all(p is None for p in placed):
+            return None
+        return tuple(
+            group if p is None else tuple(p) for group, p in zip(inputs, placed, strict=True)
         )
-        return placed if moved else None
 
     def abstract_index_map(self) -> graphlib.IndexMap:
         """Like the caller's index map, but over abstract copies of the nodes (for eval_shape)."""
@@ -606,13 +589,6 @@ def _original_index(j: int, statics: tuple[Any, ...]) -> int:
     return i
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _leaf_paths(
     lifted: Lifted, args: tuple[Any, ...], kwargs: dict[str, Any], statics: tuple[Any, ...]
 ) -> list[str]:
@@ -621,11 +597,11 @@ def _leaf_paths(
     out = []
     for keypath, _ in with_paths:
         which, first, *rest = keypath
-        if _key_name(which) == "0":
-            head = lifted._arg_name(_original_index(int(_key_name(first)), statics))
+        if key_name(which) == "0":
+            head = lifted._arg_name(_original_index(int(key_name(first)), statics))
         else:
-            head = _key_name(first)
-        out.append(".".join([head, *map(_key_name, rest)]))
+            head = key_name(first)
+        out.append(".".join([head, *map(key_name, rest)]))
     return out
 
 
@@ -717,7 +693,23 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = 
 def _one_level(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     """The (key, child) pairs of a pytree node, and its one-level treedef."""
     children, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
-    return [(".".join(_key_name(k) for k in keys), child) for keys, child in children], treedef
+    return [(".".join(key_name(k) for k in keys), child) for keys, child in children], treedef
+
+
+def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
+    """``values`` with each array not on its sharding moved there; None if none had to move."""
+    misplaced = [
+        i
+        for i, (value, sharding) in enumerate(zip(values, shardings, strict=True))
+        if sharding is not None and getattr(value, "sharding", sharding) != sharding
+    ]
+    if not misplaced:
+        return None
+    moved = jax.device_put([values[i] for i in misplaced], [shardings[i] for i in misplaced])
+    placed = list(values)
+    for i, value in zip(misplaced, moved, strict=True):
+        placed[i] = value
+    return placed
 
 
 def _mesh_shape(mesh: Any) -> Any:
@@ -770,7 +762,7 @@ def _output_leaf_specs(
     result = []
     for i, (spec, leaf) in enumerate(zip(prefix, leaves, strict=True)):
         if i not in info.out_graphdefs:
-            path = tuple(map(_key_name, keypaths[i]))
+            path = tuple(map(key_name, keypaths[i]))
             if isinstance(spec, StateSharding):
                 spec = spec.spec_for(path, leaf)
             result.append(to_sharding(spec, mesh, format_path(("output", *path)), leaf, what))

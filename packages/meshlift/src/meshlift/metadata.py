@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshlift.graph import variable_paths
 from meshlift.logical import check_rules, current_rules, logical_to_mesh_axes
 from meshlift.mesh import current_mesh
-from meshlift.sharding import PlanError, format_path, spec_problems
+from meshlift.sharding import PlanError, format_path, key_name, spec_problems
 
 Path = tuple[Hashable, ...]
 
@@ -247,14 +247,6 @@ def _box_value(x: Any) -> Any:
 
 def _takes_constraint(box: Any) -> bool:
     return isinstance(box, flax_meta.Partitioned)
-
-
-def key_name(key: Any) -> str:
-    """A jax key path entry as a plain name: ``DictKey('w')`` -> ``'w'``."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def annotated_leaves(tree: Any) -> list[Annotated]:

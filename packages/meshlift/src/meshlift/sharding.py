@@ -37,6 +37,14 @@ def format_path(path: Iterable[Hashable]) -> str:
     return ".".join(str(part) for part in path) or "<root>"
 
 
+def key_name(key: Any) -> str:
+    """A jax key path entry as a plain name: ``DictKey('w')`` -> ``'w'``."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 class path_endswith:
     """Filter matching parameters whose path ends with ``parts``.
 
