@@ -32,22 +32,31 @@ GOOD = """
 
 @pytest.fixture
 def install(tmp_path, monkeypatch):
-    """Install a fake distribution: ``install(dist, version, {ep_name: module_source})``."""
+    """Install a fake distribution: ``install(dist, version, {ep_name: module_source})``.
+
+    Each goes into its own folder on ``sys.path``, after the earlier ones and
+    before the real site-packages: plugins load in install order, and a fake
+    ``meshlift-jit`` hides the real one.
+    """
     real = [ep.name for ep in entry_points(group="meshlift")]
     monkeypatch.setenv(plugins.DISABLE_ENV, ",".join(real))
     monkeypatch.delenv(plugins.STRICT_ENV, raising=False)
-    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    sites = []
     modules = []
 
     def install(dist, version, plugin_sources):
-        info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
+        site = tmp_path / f"site{len(sites)}"
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         lines = [f"{name} = {name}_plugin" for name in plugin_sources]
         (info / "entry_points.txt").write_text("[meshlift]\n" + "\n".join(lines) + "\n")
         for name, source in plugin_sources.items():
-            (tmp_path / f"{name}_plugin.py").write_text(textwrap.dedent(source))
+            (site / f"{name}_plugin.py").write_text(textwrap.dedent(source))
             modules.append(f"{name}_plugin")
+        sys.path.insert(len(sites), str(site))
+        sites.append(site)
         importlib.invalidate_caches()
 
     plugins.reset_registry()
@@ -59,6 +68,44 @@ def install(tmp_path, monkeypatch):
 
 def names():
     return [b.name for b in ml.backends()]
+
+
+FIRST_PARTY = """
+    import jax
+    import meshlift as ml
+
+    def frontend(fun=None, /, *args, **kwargs):
+        return ("{name} front end of {dist}", fun, args, kwargs)
+
+    BACKEND = ml.Backend(name="{name}", stage=lambda fn, spec: jax.jit(fn), frontend=frontend)
+
+    @ml.hookimpl
+    def meshlift_register_backends(register):
+        register(BACKEND)
+"""
+
+IMPOSTOR = """
+    import jax
+    import meshlift as ml
+
+    @ml.hookimpl
+    def meshlift_register_backends(register):
+        register(ml.Backend(name="extra", stage=lambda fn, spec: jax.jit(fn)))
+        register(ml.Backend(name="{name}", stage=lambda fn, spec: jax.jit(fn),
+                            frontend=lambda *args, **kwargs: "impostor", distribution="{dist}"))
+"""
+
+
+def first_party(install, monkeypatch, name, source=FIRST_PARTY):
+    """Stand in for the first-party distribution of ``name``; ``source=None``: not installed.
+
+    The fake distribution hides the real one, and the name is taken off the
+    disabled list the ``install`` fixture starts with.
+    """
+    dist = plugins.FIRST_PARTY_BACKENDS[name]
+    install(dist, "0.1.0", {} if source is None else {name: source.format(name=name, dist=dist)})
+    disabled = os.environ[plugins.DISABLE_ENV].split(",")
+    monkeypatch.setenv(plugins.DISABLE_ENV, ",".join(n for n in disabled if n != name))
 
 
 def test_good_plugin_registers_with_its_distribution(install):
@@ -193,18 +240,52 @@ def test_duplicate_backend_name_is_an_error_naming_both(install):
     assert "meshlift-second 2.0" in error.error
 
 
-def test_unknown_name_lists_installed_and_what_to_install(install):
+def test_unknown_name_lists_installed_and_invents_no_package(install):
     install("meshlift-good", "1.2.3", {"good": GOOD.format(name="good")})
     install("meshlift-broken", "0.3", {"broken": "import meshlift_no_such_module\n"})
 
     with pytest.raises(LookupError) as info:
         ml.get_backend("not_published")
     assert isinstance(info.value, plugins.BackendNotFoundError)
-    message = str(info.value)
-    assert "No meshlift backend named 'not_published'" in message
-    assert "pip install meshlift-not-published" in message
-    assert "good (meshlift-good 1.2.3)" in message
-    assert "broken (meshlift-broken 0.3): ModuleNotFoundError" in message
+    first, *listing = str(info.value).splitlines()
+    assert first == (
+        "No meshlift backend named 'not_published'. No installed plugin provides it; "
+        "`meshlift backends` lists what is installed."
+    )
+    assert "pip install" not in str(info.value)
+    assert "  good (meshlift-good 1.2.3) [donate, jit] A test backend." in listing
+    assert any("broken (meshlift-broken 0.3): ModuleNotFoundError" in line for line in listing)
+
+
+@pytest.mark.parametrize("typo", ["shardmap", "shard-map", "Shard_Map", "shard_mapp"])
+def test_close_name_suggests_the_installed_one(install, monkeypatch, typo):
+    first_party(install, monkeypatch, "shard_map")
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        ml.get_backend(typo)
+    first = str(info.value).splitlines()[0]
+    assert first == f"No meshlift backend named {typo!r}; did you mean 'shard_map'?"
+    assert "pip install" not in str(info.value)
+    with pytest.raises(plugins.BackendNotFoundError, match=r"did you mean 'shard_map'\?"):
+        ml.transform(typo, lambda x: x)
+
+
+def test_missing_first_party_name_says_which_distribution_to_install(install, monkeypatch):
+    first_party(install, monkeypatch, "pjit", source=None)  # not installed
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        ml.get_backend("pjit")
+    first, *listing = str(info.value).splitlines()
+    assert first == (
+        "No meshlift backend named 'pjit'. It comes with meshlift-pjit: pip install meshlift-pjit "
+        "(from the meshlift repository: pip install ./plugins/meshlift-pjit)."
+    )
+    assert listing[:2] == [
+        "Installed backends:",
+        "  good (meshlift-good 1.0) [donate, jit] A test backend.",
+    ]
 
 
 def test_backend_object_bypasses_the_registry(install):
@@ -250,3 +331,230 @@ def test_registry_is_loaded_once_until_reset(install):
     assert names() == ["good"]
     plugins.reset_registry()
     assert sorted(names()) == ["good", "late"]
+
+
+EXITS_AT_IMPORT = "import sys\nsys.exit(3)\n"
+
+EXITS_IN_HOOK = """
+    import sys
+    import jax
+    import meshlift as ml
+
+    @ml.hookimpl
+    def meshlift_register_backends(register):
+        register(ml.Backend(name="half", stage=lambda fn, spec: jax.jit(fn)))
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("source", [EXITS_AT_IMPORT, EXITS_IN_HOOK], ids=["import", "hook"])
+def test_plugin_that_exits_is_recorded_and_others_still_load(install, source):
+    install("meshlift-exits", "0.1", {"exits": source})
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    assert names() == ["good"]
+    [error] = ml.backends().errors
+    assert error == plugins.LoadError(
+        plugin="exits", distribution="meshlift-exits", version="0.1", error="SystemExit: 3"
+    )
+    assert not plugins.plugin_manager().has_plugin("exits")
+
+
+def test_error_without_a_message_is_recorded_by_its_type(install):
+    install("meshlift-exits", "0.1", {"exits": "raise SystemExit\n"})
+
+    [error] = ml.backends().errors
+    assert error.error == "SystemExit"
+
+
+def test_cli_survives_a_plugin_that_exits(install, capsys):
+    from meshlift.cli import main
+
+    install("meshlift-exits", "0.1", {"exits": EXITS_AT_IMPORT})
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    assert main(["backends"]) == 1
+    out = capsys.readouterr().out
+    assert "good" in out
+    assert "exits (meshlift-exits 0.1): SystemExit: 3" in out
+
+
+def test_keyboard_interrupt_in_a_plugin_is_not_swallowed(install):
+    install("meshlift-interrupted", "0.1", {"interrupted": "raise KeyboardInterrupt\n"})
+
+    with pytest.raises(KeyboardInterrupt):
+        ml.backends()
+
+
+def test_strict_mode_reraises_system_exit(install, monkeypatch):
+    install("meshlift-exits", "0.1", {"exits": EXITS_AT_IMPORT})
+    monkeypatch.setenv(plugins.STRICT_ENV, "1")
+
+    with pytest.raises(SystemExit) as info:
+        ml.backends()
+    assert info.value.code == 3
+    assert "meshlift plugin 'exits' (meshlift-exits 0.1)" in info.value.__notes__[0]
+
+
+IMPOSTOR_ERROR = (
+    "PluginError: The backend name 'jit' belongs to meshlift-jit (ml.jit runs it), so "
+    "meshlift-impostor 6.6 cannot take it. Rename the backend in meshlift-impostor, or disable "
+    "the plugin with MESHLIFT_DISABLE_PLUGINS=impostor."
+)
+
+
+@pytest.mark.parametrize("impostor_first", [True, False], ids=["impostor-first", "impostor-last"])
+def test_third_party_cannot_take_a_first_party_name(install, monkeypatch, impostor_first):
+    impostor = {"impostor": IMPOSTOR.format(name="jit", dist="meshlift-jit")}
+    if impostor_first:
+        install("meshlift-impostor", "6.6", impostor)
+    first_party(install, monkeypatch, "jit")
+    if not impostor_first:
+        install("meshlift-impostor", "6.6", impostor)
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+    order = [ep.name for ep in entry_points(group="meshlift")]
+    assert (order.index("impostor") < order.index("jit")) == impostor_first
+
+    assert sorted(names()) == ["good", "jit"]  # the impostor's "extra" is not added either
+    backend = ml.get_backend("jit")
+    assert (backend.distribution, backend.version) == ("meshlift-jit", "0.1.0")
+    assert backend.frontend is sys.modules["jit_plugin"].frontend
+    f = lambda x: x  # noqa: E731
+    assert ml.jit(f, donate_argnums=0) == (
+        "jit front end of meshlift-jit",
+        f,
+        (),
+        {"donate_argnums": 0},
+    )
+    [error] = ml.backends().errors
+    assert (error.plugin, error.distribution, error.error) == (
+        "impostor",
+        "meshlift-impostor",
+        IMPOSTOR_ERROR,
+    )
+
+
+def test_disabling_the_impostor_clears_its_error(install, monkeypatch):
+    install("meshlift-impostor", "6.6", {"impostor": IMPOSTOR.format(name="jit", dist="x")})
+    first_party(install, monkeypatch, "jit")
+    monkeypatch.setenv(plugins.DISABLE_ENV, os.environ[plugins.DISABLE_ENV] + ",impostor")
+
+    assert names() == ["jit"]
+    assert ml.backends().errors == ()
+    assert ml.jit(None)[0] == "jit front end of meshlift-jit"
+
+
+def test_first_party_name_stays_free_when_its_distribution_is_missing(install, monkeypatch):
+    first_party(install, monkeypatch, "jit", source=None)  # not installed
+    install("meshlift-impostor", "6.6", {"impostor": IMPOSTOR.format(name="jit", dist="x")})
+
+    assert names() == []
+    [error] = ml.backends().errors
+    assert error.error == IMPOSTOR_ERROR
+    with pytest.raises(plugins.BackendNotFoundError, match="It comes with meshlift-jit: pip"):
+        ml.get_backend("jit")
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        ml.jit(lambda x: x)
+    assert f"impostor (meshlift-impostor 6.6): {IMPOSTOR_ERROR}" in str(info.value)
+
+
+def test_first_party_name_cannot_be_registered_in_process(install, monkeypatch):
+    first_party(install, monkeypatch, "shard_map", source=None)
+    mine = ml.Backend(name="shard_map", stage=lambda fn, spec: jax.jit(fn))
+
+    with pytest.raises(plugins.PluginError) as info:
+        plugins.register_backend(mine)
+    assert str(info.value) == (
+        "The backend name 'shard_map' belongs to meshlift-shard-map (ml.shard_map runs it), so a "
+        "backend registered in this process cannot take it. Rename the backend, or pass the "
+        "Backend object itself where a name is accepted."
+    )
+    assert names() == []
+    own = ml.Backend(name="shard_map", stage=mine.stage, distribution="meshlift_shard.map")
+    plugins.register_backend(own)  # the distribution's own backend, registered by hand
+    assert ml.get_backend("shard_map") is own
+
+
+def test_clash_between_third_parties_names_both_and_others_still_load(install):
+    install("meshlift-first", "1.0", {"first": GOOD.format(name="same")})
+    install("meshlift-second", "2.0", {"second": GOOD.format(name="same")})
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    assert names() == ["same", "good"]
+    assert ml.get_backend("same").distribution == "meshlift-first"
+    [error] = ml.backends().errors
+    assert error.plugin == "second"
+    assert error.error == (
+        "PluginError: Two backends are named 'same': one from meshlift-first 1.0, one from "
+        "meshlift-second 2.0. Uninstall one, or skip one with "
+        "MESHLIFT_DISABLE_PLUGINS=<its entry point name>."
+    )
+
+
+def test_front_ends_reach_their_own_distributions_backend(install, monkeypatch):
+    for name in plugins.FIRST_PARTY_BACKENDS:
+        first_party(install, monkeypatch, name)
+    f = lambda x: x  # noqa: E731
+
+    assert ml.jit(f, mesh=None) == ("jit front end of meshlift-jit", f, (), {"mesh": None})
+    assert ml.jit() == ("jit front end of meshlift-jit", None, (), {})
+    assert ml.shard_map(f, out_specs=None) == (
+        "shard_map front end of meshlift-shard-map",
+        f,
+        (),
+        {"out_specs": None},
+    )
+    assert ml.pjit(f, 1, 2) == ("pjit front end of meshlift-pjit", f, (1, 2), {})
+
+
+@pytest.mark.parametrize("name", ["jit", "shard_map", "pjit"])
+def test_front_end_without_its_distribution_says_what_to_install(install, monkeypatch, name):
+    first_party(install, monkeypatch, name, source=None)
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+    dist = plugins.FIRST_PARTY_BACKENDS[name]
+
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        getattr(ml, name)(lambda x: x)
+    first, *listing = str(info.value).splitlines()
+    assert first == (
+        f"ml.{name} needs the {name!r} backend, which is missing. It comes with {dist}: "
+        f"pip install {dist} (from the meshlift repository: pip install ./plugins/{dist})."
+    )
+    assert listing == [
+        "Installed backends:",
+        "  good (meshlift-good 1.0) [donate, jit] A test backend.",
+    ]
+
+
+def test_front_end_whose_distribution_is_disabled(install):
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        ml.jit(lambda x: x)
+    assert str(info.value).splitlines()[0] == (
+        "ml.jit needs the 'jit' backend, which is missing. It comes with meshlift-jit, which is "
+        "disabled: remove 'jit' from MESHLIFT_DISABLE_PLUGINS to use it."
+    )
+
+
+def test_front_end_whose_distribution_failed_to_load(install, monkeypatch):
+    first_party(install, monkeypatch, "jit", source="raise ImportError('no jaxlib')\n")
+
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        ml.jit(lambda x: x)
+    first, *listing = str(info.value).splitlines()
+    assert first == (
+        "ml.jit needs the 'jit' backend, which is missing. It comes with meshlift-jit, which "
+        "failed to load (error below)."
+    )
+    assert "  jit (meshlift-jit 0.1.0): ImportError: no jaxlib" in listing
+
+
+def test_front_end_of_a_backend_without_one(install, monkeypatch):
+    source = FIRST_PARTY.replace(", frontend=frontend", "")
+    first_party(install, monkeypatch, "pjit", source=source)
+
+    with pytest.raises(plugins.PluginError) as info:
+        ml.pjit(lambda x: x)
+    assert str(info.value) == (
+        "The 'pjit' backend (meshlift-pjit 0.1.0) has no front end, so ml.pjit cannot call it. "
+        "Reinstall meshlift-pjit: pip install --force-reinstall meshlift-pjit"
+    )

@@ -55,7 +55,7 @@ def jit(fun: Any = None, /, **kwargs: Any) -> Any:
 
         step = ml.jit(train_step, in_shardings=(plan, P("data")), mesh=mesh)
     """
-    return get_backend("jit").frontend(fun, **kwargs)
+    return plugins.get_frontend("jit")(fun, **kwargs)
 
 
 def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
@@ -65,7 +65,7 @@ def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
 
         f = ml.shard_map(fn, mesh=mesh, in_specs=(plan, P("data")), out_specs=P("data"))
     """
-    return get_backend("shard_map").frontend(f, **kwargs)
+    return plugins.get_frontend("shard_map")(f, **kwargs)
 
 
 def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +76,7 @@ def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
         with ml.use_mesh(mesh):
             g = ml.pjit(fn, in_axis_resources=(plan, P("data")), out_axis_resources=P("data"))
     """
-    return get_backend("pjit").frontend(fun, *args, **kwargs)
+    return plugins.get_frontend("pjit")(fun, *args, **kwargs)
 
 
 __all__ = [

@@ -3,7 +3,22 @@
 Backends come from plugins published under the ``meshlift`` entry-point group
 (see `meshlift.hookspecs`). The registry is filled the first time it is
 used: each entry point is loaded on its own, so one broken plugin is recorded
-with its error and the others still load.
+with its error and the others still load. "Broken" includes a plugin that
+raises ``SystemExit`` (or any other ``BaseException`` but
+``KeyboardInterrupt``) at import or in its hook.
+
+The names ``jit``, ``shard_map`` and ``pjit`` belong to the first-party
+distributions ``meshlift-jit``, ``meshlift-shard-map`` and ``meshlift-pjit``
+(`FIRST_PARTY_BACKENDS`): ``ml.jit`` and friends always run their own
+distribution's backend. Another plugin that registers one of these names is
+recorded as a load error, whatever the load order, and its other backends are
+not added. Two other plugins that register the same name: the second is
+recorded as a load error naming both distributions.
+
+Asking for a name that is not installed raises `BackendNotFoundError`, which
+lists what is installed and what failed to load, and says what to do: which
+distribution to install (first-party names only), how to re-enable a disabled
+name, or which installed name is close ("did you mean 'shard_map'?").
 
 Environment variables, read when the registry is (re)loaded:
 
@@ -21,9 +36,13 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib.metadata import Distribution, entry_points
+from types import MappingProxyType
+from typing import Any
 
 import attrs
 import pluggy
@@ -34,6 +53,7 @@ from meshlift.backend import Backend
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
+    "FIRST_PARTY_BACKENDS",
     "STRICT_ENV",
     "BackendInfo",
     "BackendNotFoundError",
@@ -42,6 +62,7 @@ __all__ = [
     "PluginError",
     "backends",
     "get_backend",
+    "get_frontend",
     "plugin_manager",
     "register_backend",
     "register_plugin",
@@ -51,6 +72,11 @@ __all__ = [
 ENTRY_POINT_GROUP = "meshlift"
 STRICT_ENV = "MESHLIFT_STRICT_PLUGINS"
 DISABLE_ENV = "MESHLIFT_DISABLE_PLUGINS"
+
+#: Backend names that only their first-party distribution may register.
+FIRST_PARTY_BACKENDS: Mapping[str, str] = MappingProxyType(
+    {"jit": "meshlift-jit", "shard_map": "meshlift-shard-map", "pjit": "meshlift-pjit"}
+)
 
 _DEFAULT_VERSION = attrs.fields(Backend).version.default
 
@@ -195,6 +221,34 @@ def get_backend(backend: str | Backend) -> Backend:
     raise BackendNotFoundError(_not_found_message(backend, registry))
 
 
+def get_frontend(name: str) -> Callable[..., Any]:
+    """The user-facing wrapper of a first-party backend: what ``ml.jit`` calls.
+
+    ``name`` is a key of `FIRST_PARTY_BACKENDS`. Only that distribution can
+    register the name, so the wrapper returned is always its own.
+
+    Example::
+
+        >>> step = ml.plugins.get_frontend("jit")(train_step, mesh=mesh)  # same as ml.jit
+    """
+    distribution = FIRST_PARTY_BACKENDS[name]
+    registry = _get_registry()
+    backend = registry.backends.get(name)
+    if backend is None:
+        raise BackendNotFoundError(
+            _not_found_message(
+                name, registry, headline=f"ml.{name} needs the {name!r} backend, which is missing"
+            )
+        )
+    if backend.frontend is None:
+        raise PluginError(
+            f"The {name!r} backend ({_origin(backend.distribution, backend.version)}) has no "
+            f"front end, so ml.{name} cannot call it. Reinstall {distribution}: "
+            f"pip install --force-reinstall {distribution}"
+        )
+    return backend.frontend
+
+
 def register_backend(backend: Backend) -> None:
     """Add a backend to this process's registry, as a plugin would.
 
@@ -258,12 +312,14 @@ def _load() -> _Registry:
             continue
         try:
             _add_plugin(registry, ep.load(), ep.name, ep.dist)
-        except Exception as error:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # SystemExit too: a plugin never ends the process
             record = LoadError(
                 plugin=ep.name,
                 distribution=ep.dist.name if ep.dist else None,
                 version=ep.dist.version if ep.dist else None,
-                error=f"{type(error).__name__}: {error}",
+                error=_describe(error),
             )
             if strict:
                 error.add_note(
@@ -285,9 +341,10 @@ def _add_plugin(
         return
     staged = attrs.evolve(registry, backends=dict(registry.backends))
     others = [p for p in pm.get_plugins() if p is not plugin]
+    plugin_name = pm.get_name(plugin)
     try:
         pm.subset_hook_caller("meshlift_register_backends", others)(
-            register=lambda backend: _add_backend(staged, backend, distribution)
+            register=lambda backend: _add_backend(staged, backend, distribution, plugin_name)
         )
     except BaseException:
         pm.unregister(plugin)
@@ -295,7 +352,13 @@ def _add_plugin(
     registry.backends = staged.backends
 
 
-def _add_backend(registry: _Registry, backend: Backend, distribution: Distribution | None) -> None:
+def _add_backend(
+    registry: _Registry,
+    backend: Backend,
+    distribution: Distribution | None,
+    plugin: str | None = None,
+) -> None:
+    """Add one backend from ``plugin`` (of ``distribution``; ``None``: this process)."""
     if not isinstance(backend, Backend):
         raise PluginError(
             f"register() takes a meshlift.Backend, got {type(backend).__name__}: {backend!r}. "
@@ -311,6 +374,7 @@ def _add_backend(registry: _Registry, backend: Backend, distribution: Distributi
             if backend.version == _DEFAULT_VERSION
             else backend.version,
         )
+    _check_first_party_name(backend, distribution, plugin)
     existing = registry.backends.get(backend.name)
     if existing is not None:
         raise PluginError(
@@ -322,12 +386,81 @@ def _add_backend(registry: _Registry, backend: Backend, distribution: Distributi
     registry.backends[backend.name] = backend
 
 
-def _not_found_message(name: str, registry: _Registry) -> str:
-    if name in registry.disabled:
-        fix = f"It is disabled: remove {name!r} from {DISABLE_ENV} to use it."
+def _check_first_party_name(
+    backend: Backend, distribution: Distribution | None, plugin: str | None
+) -> None:
+    """Raise if ``backend`` takes a first-party name from another distribution.
+
+    The distribution is the entry point's, not what the backend says it is;
+    a backend registered in this process is taken at its word.
+    """
+    owner = FIRST_PARTY_BACKENDS.get(backend.name)
+    source = distribution.name if distribution is not None else backend.distribution
+    if owner is None or (source is not None and _canonical(source) == owner):
+        return
+    if distribution is not None:
+        taker = f"{distribution.name} {distribution.version}"
+        fix = (
+            f"Rename the backend in {distribution.name}, or disable the plugin with "
+            f"{DISABLE_ENV}={plugin or '<its entry point name>'}."
+        )
     else:
-        fix = f"Install it with: pip install meshlift-{name.replace('_', '-')}"
-    return f"No meshlift backend named {name!r}. {fix}\n{registry.installed()}"
+        taker = (
+            f"{backend.distribution} {backend.version}"
+            if backend.distribution is not None
+            else "a backend registered in this process"
+        )
+        fix = "Rename the backend, or pass the Backend object itself where a name is accepted."
+    raise PluginError(
+        f"The backend name {backend.name!r} belongs to {owner} (ml.{backend.name} runs it), "
+        f"so {taker} cannot take it. {fix}"
+    )
+
+
+def _not_found_message(name: str, registry: _Registry, headline: str | None = None) -> str:
+    """Why ``name`` is not in the registry, what to do, and what is installed."""
+    headline = headline or f"No meshlift backend named {name!r}"
+    return f"{headline}{_how_to_get(name, registry)}\n{registry.installed()}"
+
+
+def _how_to_get(name: str, registry: _Registry) -> str:
+    """The rest of the not-found sentence: the one fix that applies to ``name``."""
+    distribution = FIRST_PARTY_BACKENDS.get(name)
+    it = f"It comes with {distribution}, which" if distribution else "It"
+    if name in registry.disabled:
+        return f". {it} is disabled: remove {name!r} from {DISABLE_ENV} to use it."
+    if distribution is None:
+        matches = _close_matches(name, registry.backends)
+        if matches:
+            return f"; did you mean {' or '.join(map(repr, matches))}?"
+        return ". No installed plugin provides it; `meshlift backends` lists what is installed."
+    if any(_canonical(e.distribution or "") == distribution for e in registry.errors):
+        return f". {it} failed to load (error below)."
+    return (
+        f". It comes with {distribution}: pip install {distribution} "
+        f"(from the meshlift repository: pip install ./plugins/{distribution})."
+    )
+
+
+def _close_matches(name: str, names: Iterable[str]) -> list[str]:
+    """The names close to ``name``, best first, with ``-`` and ``_`` (and case) alike."""
+    by_key = {_fold(n): n for n in names}
+    return [by_key[key] for key in difflib.get_close_matches(_fold(name), by_key, n=3)]
+
+
+def _fold(name: str) -> str:
+    return name.replace("-", "_").lower()
+
+
+def _canonical(distribution: str) -> str:
+    """A distribution name as packaging compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _describe(error: BaseException) -> str:
+    """``"SystemExit: 3"``; the type alone when the error has no message."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _origin(distribution: str | None, version: str | None) -> str:
