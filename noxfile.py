@@ -137,6 +137,49 @@ def third_party(session: nox.Session) -> None:
     )
 
 
+@nox.session(tags=["wheels"])
+def wheels(session: nox.Session) -> None:
+    """Build the four sdists and wheels, install the wheels into this clean venv, check them.
+
+    Each wheel is built from its sdist (so a file missing from an sdist fails here),
+    each carries the LICENSE, and `meshlift --version` run from the installed wheels
+    lists the core and the three backends with their version and license.
+    """
+    import shutil
+    import tarfile
+    import zipfile
+    from pathlib import Path
+
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("-c", "constraints.txt", "build")
+    for path in PACKAGES.values():
+        session.run("python", "-m", "build", "--outdir", str(dist), path, silent=True)
+    built = sorted(p.name for p in dist.iterdir())
+    session.log(f"built in {dist}: {', '.join(built)}")
+    for sdist in dist.glob("*.tar.gz"):
+        with tarfile.open(sdist) as archive:
+            if not any(Path(name).name == "LICENSE" for name in archive.getnames()):
+                session.error(f"{sdist.name} has no LICENSE")
+    for wheel in dist.glob("*.whl"):
+        if not any(
+            n.endswith(".dist-info/licenses/LICENSE") for n in zipfile.ZipFile(wheel).namelist()
+        ):
+            session.error(f"{wheel.name} has no .dist-info/licenses/LICENSE")
+    if len(built) != 2 * len(PACKAGES):
+        session.error(f"expected a wheel and an sdist for each of {list(PACKAGES.values())}")
+
+    session.install("-c", "constraints.txt", *(str(wheel) for wheel in dist.glob("*.whl")))
+    listing = session.run("meshlift", "--version", silent=True, stderr=None)
+    print(listing, end="")
+    lines = {line.split()[0]: line.split() for line in listing.splitlines() if line.strip()}
+    for path in PACKAGES.values():
+        name = Path(path).name
+        fields = lines.get(name, [])
+        if len(fields) < 3 or fields[2] != "Apache-2.0":
+            session.error(f"`meshlift --version` should list {name} with its license: {fields}")
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Dispatch-overhead benchmark: python benchmarks/dispatch.py [posargs]."""
