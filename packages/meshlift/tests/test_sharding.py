@@ -8,7 +8,10 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift.sharding import PlanError, format_path, path_endswith, spec_problems, to_sharding
+from meshlift.paths import PlanError, format_path
+from meshlift.resolve import to_sharding
+from meshlift.sharding import path_endswith
+from meshlift.specs import spec_problems
 
 MESH_SHAPE = {"data": 2, "model": 4}
 

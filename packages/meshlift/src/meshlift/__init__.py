@@ -16,9 +16,8 @@ from typing import Any
 from meshlift import plugins
 from meshlift.backend import Backend, StageSpec
 from meshlift.explain import Explanation, explain
-from meshlift.graph import StructureChangedError
 from meshlift.hookspecs import hookimpl
-from meshlift.lift import Compiled, Lifted, Lowered, Traced, transform
+from meshlift.lift import Lifted, transform
 from meshlift.logical import (
     axis_rules,
     logical_to_mesh,
@@ -37,8 +36,10 @@ from meshlift.metadata import (
     with_logical_partitioning,
     with_partitioning,
 )
+from meshlift.paths import PlanError, StructureChangedError, TraceLeakError
 from meshlift.plugins import BackendNotFoundError, backends, get_backend
-from meshlift.sharding import PlanError, StateSharding, path_endswith
+from meshlift.sharding import StateSharding, path_endswith
+from meshlift.stages import Compiled, Lowered, Traced
 
 try:
     __version__ = version("meshlift")
@@ -90,6 +91,7 @@ __all__ = [
     "StageSpec",
     "StateSharding",
     "StructureChangedError",
+    "TraceLeakError",
     "Traced",
     "__version__",
     "add_axis",

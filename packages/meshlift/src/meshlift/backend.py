@@ -58,7 +58,8 @@ class Backend:
     those ``ml.Lifted`` takes: where a backend reads old argument names, gives
     ``None`` another meaning, or looks the mesh up its own way.
     ``capabilities`` are free-form strings the integration suite reads to
-    decide which cases a backend declares it cannot run.
+    decide which cases a backend declares it cannot run. ``spec_names`` are
+    the front end's names for ``in_specs``/``out_specs``, used in errors.
     """
 
     name: str
@@ -69,3 +70,4 @@ class Backend:
     distribution: str | None = None
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     description: str = ""
+    spec_names: tuple[str, str] = ("in_specs", "out_specs")

@@ -33,7 +33,9 @@ from rich.text import Text
 
 from meshlift.mesh import current_mesh
 from meshlift.metadata import annotated_leaves
-from meshlift.sharding import PlanError, StateSharding, format_path, spec_axes, spec_problems
+from meshlift.paths import PlanError, format_path
+from meshlift.sharding import StateSharding
+from meshlift.specs import spec_axes, spec_problems
 
 LARGE_REPLICATED_BYTES = 1 << 20  # warn about replicated parameters from 1 MiB
 

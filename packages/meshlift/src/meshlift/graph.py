@@ -1,43 +1,44 @@
-"""Split and merge: NNX graph nodes in an argument tree <-> a flat tuple of arrays.
+"""Split and merge: the NNX graph nodes of a call's arguments <-> a flat tuple of arrays.
 
-``GraphSplit`` flattens the graph nodes of a call's arguments once and keeps
-that plan while their structure is unchanged. Per call it only gathers the
-arrays out of the ``Variable`` objects and scatters new ones back, which is
-what makes a lifted call cost about as much as ``jax.jit`` over a list of
-arrays. Inside the traced function, ``rebuild`` makes fresh objects around the
-tracers, so the user's function sees ordinary modules.
+``GraphSplit`` flattens the caller's graph nodes once and keeps that view
+while their structure is unchanged; per call it gathers the arrays out of
+the Variables and scatters new ones back. Inside the traced function,
+``Rebuilt`` makes fresh nodes around the tracers and, after the user's
+function ran, ``Rebuilt.changes`` says what happened to them: new values
+only, or a new graph (a swap, a replaced submodule, a new attribute) that
+``apply_graph_update`` carries back the way ``nnx.jit``'s graph mode does:
+the caller's nodes re-pointed, no value copied into an object that was
+replaced. Graph nodes in outputs go through ``encode_outputs`` and
+``decode_outputs``.
 
-Example::
+Example:
 
-    split = GraphSplit((model, optimizer))
-    arrays = split.gather()                 # one array per Variable, shared ones once
-    assert split.unchanged()                # cheap: identity checks only
-    split.scatter(range(len(arrays)), arrays)
+```python
+from flax import nnx
+from meshlift.graph import GraphSplit
+
+model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+split = GraphSplit((model,))
+arrays = split.gather()               # one array per Variable, shared ones once
+assert split.unchanged()              # cheap: identity checks only
+split.scatter(range(len(arrays)), arrays)
+```
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import operator
-import types
-from collections.abc import Hashable, Iterable, Sequence
-from itertools import chain
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-import flax
+import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from meshlift.sharding import format_path
-
-# The fast path reads and writes the slot where flax keeps a Variable's array,
-# skipping get_value()'s copy and hooks. It is pinned to the flax versions it
-# was tested on; any other version goes through the public API.
-FAST_PATH_FLAX_VERSIONS = frozenset({"0.12.8"})
-_read_raw = operator.attrgetter("_raw_value")
-_read_metadata = operator.attrgetter("_var_metadata")
-_write_raw = nnx.Variable._raw_value.__set__  # type: ignore[attr-defined]
+from meshlift import compat
+from meshlift.paths import Path, StructureChangedError, format_path, listing
+from meshlift.structure import Watcher, fingerprint
 
 
 def is_graph_leaf(x: Any) -> bool:
@@ -52,15 +53,22 @@ def _is_graph_type(cls: type) -> bool:
     return issubclass(cls, nnx.Variable) or cls in graphlib.GRAPH_REGISTRY
 
 
-def variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:
+def flatten(node: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """flax's graph-mode flatten, whatever the user's global graph/tree mode."""
+    return nnx.graph.flatten(node, graph=True, **kwargs)
+
+
+def variable_paths(node: Any) -> list[tuple[Path, Any]]:
     """(path, Variable) for every path of ``node``: a shared Variable or module once per path.
 
-    Example::
+    Example:
 
-        model.head = model.embed                   # tied
-        [p for p, _ in variable_paths(model)]      # [('embed', 'embedding'), ('head', 'embedding')]
+    ```python
+    model.head = model.embed                   # tied
+    [p for p, _ in variable_paths(model)]      # [('embed', 'embedding'), ('head', 'embedding')]
+    ```
     """
-    _, flat = nnx.graph.flatten(node)
+    _, flat = flatten(node)
     first_paths = list(zip(flat.paths, flat.leaves, strict=True))
     pairs = list(first_paths)
     if isinstance(node, nnx.Variable):
@@ -73,241 +81,219 @@ def variable_paths(node: Any) -> list[tuple[tuple[Hashable, ...], Any]]:
     return pairs
 
 
-class StructureChangedError(RuntimeError):
-    """The lifted function changed the structure of a module it was given."""
+def raw(leaf: Any) -> Any:
+    """A flat leaf's array: a Variable's stored value, or the leaf itself."""
+    return leaf.get_raw_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
 class GraphSplit:
-    """The flat view of a tuple of graph nodes: their Variables in a fixed order.
+    """The flat view of a tuple of the caller's graph nodes: their leaves in a fixed order.
 
-    Shared Variables appear once. ``key`` is a structural fingerprint of the
-    nodes (types, static attributes, Variable metadata) that does not depend on
-    object identity, so two models of the same structure share compiled code.
+    Leaves are Variables (shared ones once) and arrays stored directly on a
+    module (``nnx.data``). ``key`` is a fingerprint of the structure (types,
+    static attributes by content, Variable metadata), never of identities, so
+    two models of the same structure share compiled code. The caller's
+    top-level nodes are held weakly: a split never keeps a dropped model alive.
     """
 
     def __init__(self, nodes: tuple[Any, ...]):
-        self.nodes = nodes
-        self._ref_index = graphlib.RefMap()
-        self.graphdef, flat = nnx.graph.flatten(nodes, ref_index=self._ref_index)
-        self.paths: tuple[tuple[Hashable, ...], ...] = tuple(flat.paths)
-        self.variables: tuple[Any, ...] = tuple(flat.leaves)
+        ref_index = graphlib.RefMap()
+        self.graphdef, flat = flatten(nodes, ref_index=ref_index)
+        self.paths: tuple[Path, ...] = tuple(flat.paths)
+        self.leaves: tuple[Any, ...] = tuple(flat.leaves)
         self.key = fingerprint(self.graphdef)
-        pinned = flax.__version__ in FAST_PATH_FLAX_VERSIONS
-        self.fast = pinned and all(
-            isinstance(v, nnx.Variable) and not v.hijax and not v.ref for v in self.variables
+        # graph index of each leaf's Variable (None for an array stored on a module)
+        self.leaf_index = tuple(
+            ref_index[leaf] if isinstance(leaf, nnx.Variable) else None for leaf in self.leaves
         )
-        # get_metadata() copies; the pinned versions can read the dict itself.
-        self._read_metadata = _read_metadata if pinned else operator.methodcaller("get_metadata")
-        self._dicts, self._lists, self._watched_variables = _mutable_containers(nodes)
-        self._containers = [*self._dicts, *self._lists]
-        self._lengths = list(map(len, self._containers))
-        self._keys, self._values = self._contents()
-        self._metadata_copies = [dict(self._read_metadata(v)) for v in self._watched_variables]
+        self._top_index = tuple(ref_index.get(node) for node in nodes)
+        top = {id(node) for node in nodes}
+        self._inner = {i: node for node, i in ref_index.items() if id(node) not in top}
+        self._watcher = Watcher(nodes)
+        self._refs = tuple(_weak(node) for node in nodes)
+        slots = compat.variable_slots()
+        all_variables = all(isinstance(v, nnx.Variable) for v in self.leaves)
+        self._slots = slots if slots is not None and all_variables else None
+        self.fast = self._slots is not None and not any(v.hijax or v.ref for v in self.leaves)
 
     # -- per call ---------------------------------------------------------
     def unchanged(self) -> bool:
         """True if no attribute of any node was added, removed or replaced since the split."""
-        if list(map(len, self._containers)) != self._lengths:
-            return False
-        keys, values = self._contents()
-        # Keys are names, so equality is right (and fast); values must be the same objects.
-        if keys != self._keys or not all(map(operator.is_, values, self._values)):
-            return False
-        # Variable metadata holds plain data (names, specs, meshes): equal means same structure.
-        try:
-            return list(map(self._read_metadata, self._watched_variables)) == self._metadata_copies
-        except Exception:  # an array in the metadata compared elementwise: call it changed
-            return False
+        return self._watcher.unchanged()
 
     def gather(self) -> tuple[Any, ...]:
-        """The current array of every Variable, in split order."""
+        """The current array of every leaf, in split order."""
         if self.fast:
-            return tuple(map(_read_raw, self.variables))
-        return tuple(nnx.graph.flatten(self.nodes, with_paths=False)[1])
+            return tuple(map(self._slots.read, self.leaves))
+        return tuple(map(raw, self.leaves))
 
-    def scatter(self, indices: Iterable[int], values: Sequence[Any]) -> None:
-        """Write ``values[i]`` into Variable ``i`` for each index."""
+    def scatter(self, positions: Iterable[int], values: Iterable[Any]) -> None:
+        """Write each value into the Variable at its split position (validated by the caller)."""
+        leaves = self.leaves
         if self.fast:
-            variables = self.variables
-            for i in indices:
-                _write_raw(variables[i], values[i])
+            write = self._slots.write
+            for i, value in zip(positions, values, strict=True):
+                write(leaves[i], value)
             return
-        for i in indices:
-            leaf = self.variables[i]
-            if isinstance(leaf, nnx.Variable):
-                leaf.set_raw_value(values[i])
-            else:
-                raise StructureChangedError(
-                    f"cannot write back `{format_path(self.paths[i])}`: it is an array stored "
-                    f"directly on a module; wrap it in an nnx.Variable"
-                )
+        for i, value in zip(positions, values, strict=True):
+            leaves[i].set_raw_value(value)
 
-    def index_map(self) -> graphlib.IndexMap:
-        """Graph index -> the caller's node, to resolve outputs that reference inputs."""
-        return graphlib.IndexMap({index: node for node, index in self._ref_index.items()})
+    def nodes(self) -> tuple[Any, ...] | None:
+        """The caller's top-level nodes, or None if one of them was dropped."""
+        nodes = tuple(ref() for ref in self._refs)
+        return None if any(n is None for n in nodes) else nodes
 
-    # -- inside a trace -----------------------------------------------------
-    def rebuild(self, values: Sequence[Any]) -> tuple[Any, ...]:
-        """Fresh nodes of the same structure holding ``values`` (tracers, inside a trace)."""
-        return nnx.graph.unflatten(self.graphdef, list(values))
-
-    def describe_change(
-        self, before: tuple[Any, ...], after: tuple[Any, ...], names: Sequence[str]
-    ) -> str:
-        """What differs between two rebuilt node tuples, by path; ``names[k]`` names node k."""
-        old, new = _path_fingerprints(before), _path_fingerprints(after)
-
-        def show(path: tuple[Hashable, ...]) -> str:
-            return format_path((names[path[0]], *path[1:]))
-
-        lines = [f"added `{show(p)}`" for p in new.keys() - old.keys()]
-        lines += [f"removed `{show(p)}`" for p in old.keys() - new.keys()]
-        lines += [f"changed `{show(p)}`" for p in old.keys() & new.keys() if old[p] != new[p]]
-        return "; ".join(sorted(lines)) or "the node types or Variable metadata changed"
-
-    def _contents(self) -> tuple[list[Any], list[Any]]:
-        """The keys, and the values, of the watched dicts and lists (lengths are checked apart)."""
-        values = list(chain.from_iterable(map(dict.values, self._dicts)))
-        values += chain.from_iterable(self._lists)
-        return list(chain.from_iterable(self._dicts)), values
+    def index_map(self, nodes: tuple[Any, ...]) -> graphlib.IndexMap:
+        """Graph index -> the caller's node (``nodes`` are this call's top-level nodes)."""
+        index_map = graphlib.IndexMap(self._inner)
+        index_map.update(
+            (i, n) for i, n in zip(self._top_index, nodes, strict=True) if i is not None
+        )
+        return index_map
 
 
-# Not looked into: functions and modules, and flax's immutable mappings (replaced, not mutated).
-_OPAQUE = (
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-    graphlib.HashableMapping,
-)
-
-
-def _mutable_containers(nodes: Any) -> tuple[list[dict], list[list], list[nnx.Variable]]:
-    """Every dict, list and Variable whose contents fix the structure of ``nodes``.
-
-    That is the attributes of every node, each Variable's metadata, and the
-    insides of mutable static values (a config dataclass stored on a module):
-    what a user can change between calls without replacing a watched object.
-    """
-    dicts: list[dict[Any, Any]] = []
-    lists: list[list[Any]] = []
-    variables: list[nnx.Variable] = []
-    seen: set[int] = set()
-
-    def watch(obj: Any) -> None:
-        if id(obj) in seen or isinstance(obj, _ATOMS + _OPAQUE):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, nnx.Variable):
-            variables.append(obj)  # its metadata is compared by value, see unchanged()
-            return
-        if hasattr(obj, "shape"):  # an array: its value is data, not structure
-            return
-        children: Iterable[Any]
-        if type(obj) is dict:
-            dicts.append(obj)
-            children = obj.values()
-        elif type(obj) is list:
-            lists.append(obj)
-            children = obj
-        elif isinstance(obj, tuple):
-            children = obj
-        else:
-            attributes = getattr(obj, "__dict__", None)
-            if type(attributes) is not dict:
-                return
-            dicts.append(attributes)
-            children = attributes.values()
-        for child in children:
-            watch(child)
-
-    watch(nodes)
-    return dicts, lists, variables
-
-
-def _path_fingerprints(nodes: Any) -> dict[tuple[Hashable, ...], Any]:
-    """Path -> what a structural comparison sees there (a type for nodes, a value for statics)."""
-    out = {}
-    for path, value in nnx.graph.iter_graph(nodes):
-        if any(str(part).startswith("_pytree__") for part in path):
-            continue  # flax's bookkeeping; the user-visible attribute shows the change
-        if isinstance(value, nnx.Variable) or graphlib.is_node(value) or hasattr(value, "shape"):
-            out[path] = type(value)
-        else:
-            out[path] = fingerprint(value)
-    return out
-
-
-class _Identity:
-    """Compares by identity; keeps its object alive so the id is never reused."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-_ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type)
-
-
-def fingerprint(x: Any) -> Hashable:
-    """A hashable key equal for structurally equal objects, independent of identity.
-
-    Functions compare by code and closed-over values, so ``optax.adam(1e-3)``
-    made twice gives the same key; objects without a structural reading fall
-    back to their own ``==`` if hashable, else to identity.
-
-    Example::
-
-        assert fingerprint(optax.adam(1e-3)) == fingerprint(optax.adam(1e-3))
-        assert fingerprint(optax.adam(1e-3)) != fingerprint(optax.adam(1e-2))
-    """
-    return _fingerprint(x, set())
-
-
-def _fingerprint(x: Any, active: set[int]) -> Hashable:
-    if isinstance(x, _ATOMS):
-        return (type(x), x)
-    if id(x) in active:  # a cycle, e.g. a recursive closure
-        return ("cycle", type(x))
-    active.add(id(x))
+def _weak(node: Any) -> Any:
+    """A weak reference to ``node``, or a strong one where the type takes none (a Variable)."""
     try:
-        return _fingerprint_compound(x, active)
-    finally:
-        active.discard(id(x))
-
-
-def _cell_fingerprint(cell: types.CellType, active: set[int]) -> Hashable:
-    try:
-        return _fingerprint(cell.cell_contents, active)
-    except ValueError:  # a name the function uses but that is not assigned yet
-        return ("empty cell",)
-
-
-def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
-    fp = functools.partial(_fingerprint, active=active)
-    if isinstance(x, list | tuple):
-        return (type(x), tuple(map(fp, x)))
-    if isinstance(x, dict | graphlib.HashableMapping):
-        return (type(x), tuple((fp(k), fp(v)) for k, v in x.items()))
-    if isinstance(x, types.FunctionType):
-        cells = tuple(_cell_fingerprint(c, active) for c in x.__closure__ or ())
-        return (types.FunctionType, x.__code__, cells, fp(x.__defaults__), fp(x.__kwdefaults__))
-    if isinstance(x, functools.partial):
-        return (functools.partial, fp(x.func), fp(x.args), fp(x.keywords))
-    if isinstance(x, types.MethodType):
-        return (types.MethodType, fp(x.__func__), fp(x.__self__))
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        fields = tuple(fp(getattr(x, f.name)) for f in dataclasses.fields(x))
-        return (type(x), fields)
-    try:
-        hash(x)
+        return weakref.ref(node)
     except TypeError:
-        return _Identity(x)
-    return x
+        return lambda: node
+
+
+# -- inside a trace ----------------------------------------------------------------------
+
+
+class Rebuilt:
+    """Fresh nodes of a split's structure around ``values`` (tracers), and what became of them."""
+
+    def __init__(self, graphdef: Any, values: Sequence[Any]):
+        index_ref = graphlib.IndexMap()
+        self.nodes = nnx.graph.unflatten(graphdef, list(values), index_ref=index_ref)
+        self.values = tuple(values)
+        self._outer_index = graphlib.RefMap((node, i) for i, node in index_ref.items())
+
+    def changes(
+        self, unchanged_graphdef: Any, leaf_position: dict[int, int], arrays: Sequence[int]
+    ) -> tuple[graphlib.RefMap, list[Any], GraphUpdate | None]:
+        """The nodes' index, their leaves now, and a ``GraphUpdate`` if more than values changed.
+
+        ``unchanged_graphdef`` is the split's graphdef with outer indices equal to
+        its own: equal to the new one exactly when only values changed.
+        ``leaf_position`` maps a caller Variable's graph index to its split position;
+        ``arrays`` are the split positions of arrays stored directly on modules, which
+        only a graph update can write back.
+        """
+        ref_index = graphlib.RefMap()
+        graphdef, flat = flatten(self.nodes, ref_index=ref_index, ref_outer_index=self._outer_index)
+        leaves = [raw(leaf) for leaf in flat.leaves]
+        try:
+            same = graphdef == unchanged_graphdef
+        except Exception:  # a static value that compares elementwise
+            same = False
+        if same and all(leaves[i] is self.values[i] for i in arrays):
+            return ref_index, leaves, None
+        sources, indices = [], []
+        for leaf in flat.leaves:
+            is_variable = isinstance(leaf, nnx.Variable)
+            outer = self._outer_index.get(leaf) if is_variable else None
+            sources.append(leaf_position.get(outer) if outer is not None else None)
+            indices.append(ref_index[leaf] if is_variable else None)
+        update = GraphUpdate(graphdef, tuple(flat.paths), tuple(sources), tuple(indices))
+        return ref_index, leaves, update
+
+
+class GraphUpdate:
+    """A new graph for the caller's nodes, found while tracing; applied after the call.
+
+    ``sources[j]`` is the split position of the caller's Variable that new leaf
+    ``j`` is (it keeps that Variable's sharding), or None for a new one.
+    """
+
+    def __init__(
+        self,
+        graphdef: Any,
+        paths: tuple[Path, ...],
+        sources: tuple[int | None, ...],
+        indices: tuple[int | None, ...],
+    ):
+        self.graphdef, self.paths, self.sources, self.indices = graphdef, paths, sources, indices
+
+    def check_metadata(self, before: Any, names: Sequence[str]) -> None:
+        """Refuse if the function changed the metadata of a caller's Variable (not carried back).
+
+        ``before`` is the split's graphdef; ``names[k]`` names top-level node ``k``.
+        """
+        old = {
+            nodedef.index: nodedef.metadata
+            for nodedef in before.nodes
+            if isinstance(nodedef, graphlib.VariableDef)
+        }
+        new = [n for n in self.graphdef.nodes if isinstance(n, graphlib.VariableDef)]
+        changed = {
+            n.index for n in new if n.outer_index in old and n.metadata != old[n.outer_index]
+        }
+        if changed:
+            index_of = dict(zip(self.paths, self.indices, strict=True))
+            paths = [
+                format_path((names[p[0]], *p[1:])) for p, i in index_of.items() if i in changed
+            ]
+            raise StructureChangedError(
+                f"the lifted function changed the metadata of {listing(paths)}; meshlift carries "
+                f"back new values and re-pointed attributes, not Variable metadata. Change "
+                f"metadata outside the lifted function."
+            )
+
+    def apply(self, values: Sequence[Any], index_map: graphlib.IndexMap) -> graphlib.IndexMap:
+        """Re-point the caller's nodes as the function did; returns new index -> object."""
+        index_ref = graphlib.IndexMap()
+        nnx.graph.unflatten(
+            self.graphdef, list(values), index_ref=index_ref, outer_index_outer_ref=index_map
+        )
+        return index_ref
+
+
+# -- graph nodes in outputs ---------------------------------------------------------------
+
+
+class OutputNodes:
+    """Where graph nodes sit in an output, and their graphdefs (static, found while tracing)."""
+
+    def __init__(self, treedef: Any, graphdefs: dict[int, Any], paths: dict[int, tuple]):
+        self.treedef = treedef
+        self.graphdefs = graphdefs  # output leaf position -> graphdef of a graph node
+        self.paths = paths  # output leaf position -> paths of that node's leaves
+
+
+def encode_outputs(out: Any, ref_index: graphlib.RefMap) -> tuple[Any, OutputNodes]:
+    """Replace graph nodes in the output by the tuple of their arrays.
+
+    ``ref_index`` holds the arguments' nodes after the call, so an output node
+    that is (or holds) an argument becomes a reference to it.
+    """
+    leaves, treedef = jax.tree.flatten(out, is_leaf=is_graph_leaf)
+    graphdefs, paths = {}, {}
+    for i, leaf in enumerate(leaves):
+        if is_graph_leaf(leaf):
+            graphdefs[i], flat = flatten(leaf, ref_index=ref_index)
+            paths[i] = tuple(flat.paths)
+            leaves[i] = tuple(map(raw, flat.leaves))
+    nodes = OutputNodes(treedef, graphdefs, paths)
+    return (jax.tree.unflatten(treedef, leaves) if graphdefs else out), nodes
+
+
+def decode_outputs(user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexMap) -> Any:
+    """Rebuild graph nodes in the output; references to arguments resolve through ``index_map``."""
+    if not nodes.graphdefs:
+        return user_out
+    items = nodes.treedef.flatten_up_to(user_out)
+    index_map = graphlib.IndexMap(index_map)
+    for i, graphdef in nodes.graphdefs.items():
+        items[i] = nnx.graph.unflatten(graphdef, list(items[i]), index_ref=index_map)
+    return nodes.treedef.unflatten(items)
+
+
+def abstract_index_map(graphdef: Any, values: Sequence[Any]) -> graphlib.IndexMap:
+    """An index map over abstract copies of a split's nodes (for ``eval_shape``)."""
+    index_ref = graphlib.IndexMap()
+    nnx.graph.unflatten(graphdef, list(values), index_ref=index_ref)
+    return index_ref

@@ -1,85 +1,60 @@
 """The one lifted transform every backend shares.
 
-``Lifted`` splits the arguments (graph nodes -> their Variables' arrays,
-everything else -> pytree leaves), resolves the plan to one sharding per leaf,
-hands a pure function over arrays to a backend, calls it, and writes updated
-arrays back onto the caller's objects. A ``_Binding`` made once per argument
-structure makes the per-call path short: gather arrays, call, scatter arrays.
+``Lifted`` keeps two caches: argument layouts, keyed by where every graph node
+sits among the arguments and which objects they are (held weakly, dropped
+with the model), and staged functions, keyed by structure only (a fingerprint,
+never an identity). A call gathers arrays, calls, validates every write, then
+writes back: all or nothing.
 
-Example::
+Example:
 
-    step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, P("data")))
-    loss = step(model, batch)       # model's parameters are updated in place
+```python
+step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, P("data")))
+loss = step(model, batch)       # model's parameters are updated in place
+```
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-import inspect
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-from flax import nnx
-from flax.nnx import graphlib
 from jax.sharding import AbstractMesh, Mesh, Sharding
 
+from meshlift import compat, resolve
+from meshlift.arguments import Signature, insert_statics, named_statics
 from meshlift.backend import Backend, StageSpec
 from meshlift.graph import (
     GraphSplit,
-    StructureChangedError,
-    fingerprint,
+    GraphUpdate,
+    OutputNodes,
+    Rebuilt,
+    abstract_index_map,
+    decode_outputs,
+    encode_outputs,
     is_graph_leaf,
-    variable_paths,
 )
 from meshlift.mesh import current_mesh
+from meshlift.paths import Path, PlanError, TraceLeakError, format_path, listing
 from meshlift.plugins import get_backend
-from meshlift.sharding import (
-    PlanError,
-    StateSharding,
-    format_path,
-    is_spec,
-    key_name,
-    to_sharding,
-    value_shape,
-)
+from meshlift.sharding import StateSharding
+from meshlift.stages import Lowered, Traced
 
-_MAX_BINDINGS = 8  # argument structures remembered per lifted function
-
-
-class _TraceInfo:
-    """What tracing learned that the caller needs: changed Variables, output graph nodes."""
-
-    def __init__(self, changed: tuple[int, ...], out_treedef: Any, graphdefs: dict, paths: dict):
-        self.changed = changed
-        self.out_treedef = out_treedef
-        self.out_graphdefs = graphdefs  # output leaf position -> graphdef of a graph node
-        self.out_paths = paths  # output leaf position -> paths of that node's new leaves
-
-
-@jax.tree_util.register_pytree_node_class
-class _Aux:
-    """A childless output node carrying a _TraceInfo through jax's output treedef."""
-
-    def __init__(self, info: _TraceInfo):
-        self.info = info
-
-    def tree_flatten(self) -> tuple[tuple[()], _TraceInfo]:
-        return (), self.info
-
-    @classmethod
-    def tree_unflatten(cls, info: _TraceInfo, _: Any) -> _Aux:
-        return cls(info)
+_MAX_LAYOUTS = 8  # argument layouts remembered per lifted function
 
 
 class Lifted:
     """A function lifted over stateful arguments, staged by one backend.
 
-    Made by ``ml.transform`` and by the backends' front ends (``ml.jit``).
-    Calling it runs the staged function and writes updated Variables back;
-    ``trace``, ``lower`` and ``eval_shape`` give JAX's stages, wrapped so that
-    compiled objects are called with modules too.
+    Made by ``ml.transform`` (the front ends ``ml.jit``, ``ml.shard_map`` and
+    ``ml.pjit`` go through it). Calling it runs the staged function and writes
+    updated Variables back; ``trace``, ``lower`` and ``eval_shape`` give JAX's
+    stages, wrapped so that compiled objects are called with modules too.
 
     ``mesh`` is a mesh, a function returning one at each call (how a backend
     reads a call-site context), or None for the mesh of ``ml.use_mesh``.
@@ -106,19 +81,15 @@ class Lifted:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.backend = get_backend(backend)
-        self.in_specs = in_specs
-        self.out_specs = out_specs
+        self.in_name, self.out_name = spec_names
+        self.in_specs = _checked_specs(in_specs, self.in_name)
+        self.out_specs = _checked_specs(out_specs, self.out_name)
         self.mesh = mesh
         self.options = dict(options or {})
-        self.in_name, self.out_name = spec_names
-        self.param_names = _parameter_names(fun)
-        self.static_argnums, self.static_argnames = _infer_argnums_and_argnames(
-            self.param_names, static_argnums, static_argnames
+        self.signature = Signature(
+            fun, static_argnums, static_argnames, donate_argnums, donate_argnames
         )
-        self.donate_argnums, self.donate_argnames = _infer_argnums_and_argnames(
-            self.param_names, donate_argnums, donate_argnames
-        )
-        self._bindings: collections.OrderedDict[Hashable, _Binding] = collections.OrderedDict()
+        self._layouts = _LayoutCache()
         self._staged: dict[Hashable, Any] = {}
 
     def __repr__(self) -> str:
@@ -128,47 +99,44 @@ class Lifted:
         return self if obj is None else _BoundLifted(self, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        binding, leaves = self._bind(args, kwargs)
-        return binding.run(binding.staged, binding.inputs(leaves))
+        layout, call = self._layout(args, kwargs)
+        return layout.run(layout.staged, call)
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace for these arguments; ``.lower()`` continues. Nothing is written back."""
-        binding, leaves = self._bind(args, kwargs)
-        return Traced(binding.staged.trace(*binding.inputs(leaves)), binding)
+        layout, call = self._layout(args, kwargs)
+        return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for these arguments; ``.compile()`` gives a ``Compiled`` called like this function."""
-        binding, leaves = self._bind(args, kwargs)
-        return Lowered(binding.staged.lower(*binding.inputs(leaves)), binding)
+        layout, call = self._layout(args, kwargs)
+        return Lowered(layout.staged.lower(*layout.placed_inputs(call)), layout)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
-        binding, leaves = self._bind(args, kwargs)
-        abstract_inputs = jax.tree.map(_abstract, binding.inputs(leaves))
-        _, user_out, aux = jax.eval_shape(binding.staged, *abstract_inputs)
-        return _decode_outputs(user_out, aux.info, binding.abstract_index_map())
+        layout, call = self._layout(args, kwargs)
+        return layout.eval_shape(call)
 
-    def _bind(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: Any = None
-    ) -> tuple[_Binding, list[Any]]:
-        """The binding for these arguments' structure (made if new or stale), and their leaves.
+    @property
+    def fun_name(self) -> str:
+        return getattr(self.fun, "__name__", "the lifted function")
+
+    def _layout(self, args: tuple, kwargs: dict, mesh: Any = None) -> tuple[_Layout, _Call]:
+        """The layout for these arguments (made if new or stale), and this call's leaves.
 
         ``mesh`` overrides the call-site lookup (a compiled object keeps its mesh).
         """
-        statics: tuple[Any, ...] = ()
-        if self.static_argnums or self.static_argnames:
-            args, kwargs, statics = self._pop_statics(args, kwargs)
+        args, kwargs, statics = self.signature.pop_statics(args, kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
-        node_ids = tuple(id(leaf) for leaf in leaves if is_graph_leaf(leaf))
+        nodes = tuple((i, leaf) for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
         mesh = self._call_site_mesh() if mesh is None else mesh
-        key = (treedef, statics, node_ids, mesh)
-        binding = self._bindings.get(key)
-        if binding is None or not binding.split.unchanged():
-            binding = _Binding(self, args, kwargs, leaves, treedef, statics, mesh)
-            self._bindings[key] = binding
-            if len(self._bindings) > _MAX_BINDINGS:
-                self._bindings.popitem(last=False)
-        return binding, leaves
+        key = (treedef, statics, tuple((i, id(node)) for i, node in nodes), mesh)
+        call = _Call(leaves, tuple(node for _, node in nodes))
+        layout = self._layouts.get(key)
+        if layout is None or not layout.split.unchanged():
+            layout = _Layout(self, args, kwargs, call, treedef, statics, mesh)
+            self._layouts.put(key, layout, call.nodes)
+        return layout, call
 
     def _call_site_mesh(self) -> Any:
         """``mesh=`` if given (called, if it is a function), else the ``ml.use_mesh`` mesh."""
@@ -178,31 +146,20 @@ class Lifted:
             return self.mesh
         return self.mesh()
 
-    def _pop_statics(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
-        nums = {i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)}
-        statics = tuple((i, args[i]) for i in sorted(nums))
-        statics += tuple((k, kwargs[k]) for k in self.static_argnames if k in kwargs)
-        for where, value in statics:
+    def _stage(self, key: Hashable, make_pure: Callable[[], Any], spec: StageSpec) -> Any:
+        """The staged function for ``key``, staged by the backend the first time."""
+        staged = self._staged.get(key)
+        if staged is None:
             try:
-                hash(value)
-            except TypeError as e:
-                raise TypeError(
-                    f"static argument {self._arg_name(where)} must be hashable, got "
-                    f"{type(value).__name__}: {value!r}; pass a tuple or a frozen dataclass, "
-                    f"or don't mark it static"
-                ) from e
-        args = tuple(a for i, a in enumerate(args) if i not in nums)
-        kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        return args, kwargs, statics
-
-    def _arg_name(self, where: int | str) -> str:
-        if isinstance(where, str):
-            return where
-        if where < len(self.param_names):
-            return self.param_names[where]
-        return f"args[{where}]"
+                staged = self.backend.stage(make_pure(), spec)
+            except Exception as error:
+                origin = self.backend.distribution or "registered in this process"
+                error.add_note(
+                    f"raised while backend {self.backend.name!r} ({origin}) staged {self.fun_name}"
+                )
+                raise
+            self._staged[key] = staged
+        return staged
 
 
 class _BoundLifted:
@@ -214,78 +171,203 @@ class _BoundLifted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._lifted(self._obj, *args, **kwargs)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
         return self._lifted.trace(self._obj, *args, **kwargs)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._lifted.lower(self._obj, *args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         return self._lifted.eval_shape(self._obj, *args, **kwargs)
 
 
-class _Binding:
-    """Everything fixed for one argument structure: the split, the shardings, the staged function.
+class _Call:
+    """One call's argument leaves (graph nodes are leaves) and its graph nodes."""
 
-    The pure function handed to the backend takes four tuples (kept Variables,
-    kept other leaves, donated Variables, donated other leaves) and returns
-    ``(variables, output, aux)``: one entry per Variable, ``None`` where
-    tracing found it unchanged; the output with graph nodes replaced by their
-    arrays; and an ``_Aux`` that tells the caller which is which.
+    __slots__ = ("leaves", "nodes")
+
+    def __init__(self, leaves: list[Any], nodes: tuple[Any, ...]):
+        self.leaves, self.nodes = leaves, nodes
+
+
+class _LayoutCache:
+    """The last few layouts; a layout is forgotten as soon as one of its nodes is collected."""
+
+    def __init__(self) -> None:
+        self._items: collections.OrderedDict[Hashable, tuple[_Layout, list]] = (
+            collections.OrderedDict()
+        )
+
+    def get(self, key: Hashable) -> _Layout | None:
+        item = self._items.get(key)
+        return None if item is None else item[0]
+
+    def put(self, key: Hashable, layout: _Layout, nodes: tuple[Any, ...]) -> None:
+        forget = functools.partial(_forget, weakref.ref(self), key)
+        guards = []
+        for node in nodes:
+            with contextlib.suppress(TypeError):  # a Variable passed directly: held until evicted
+                guards.append(weakref.ref(node, forget))
+        self._items[key] = (layout, guards)
+        if len(self._items) > _MAX_LAYOUTS:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _forget(cache_ref: Any, key: Hashable, _: Any) -> None:
+    cache = cache_ref()
+    if cache is not None:
+        cache._items.pop(key, None)
+
+
+class _TraceInfo:
+    """What tracing learned that the caller needs, carried out as static output data."""
+
+    def __init__(self, changed: tuple[int, ...], update: GraphUpdate | None, outputs: OutputNodes):
+        self.changed = changed  # split positions of Variables with new values
+        self.update = update  # a new graph for the arguments' nodes, if more than values changed
+        self.outputs = outputs  # graph nodes in the output
+
+
+@jax.tree_util.register_pytree_node_class
+class _Aux:
+    """A childless output node carrying a _TraceInfo through jax's output treedef."""
+
+    def __init__(self, info: _TraceInfo):
+        self.info = info
+
+    def tree_flatten(self) -> tuple[tuple[()], _TraceInfo]:
+        return (), self.info
+
+    @classmethod
+    def tree_unflatten(cls, info: _TraceInfo, _: Any) -> _Aux:
+        return cls(info)
+
+
+class PureFunction:
+    """The function handed to a backend: arrays in, arrays out, no reference to a caller's object.
+
+    Takes four tuples (kept Variables, kept other leaves, donated Variables,
+    donated other leaves) and returns ``(variables, extra, output, aux)``: one
+    entry per Variable of the split (``None`` where tracing found it unchanged),
+    the leaves of Variables the function created (on a graph update), the
+    output with graph nodes replaced by their arrays, and an ``_Aux``.
     """
+
+    def __init__(self, lifted: Lifted, layout: _Layout):
+        self.fun = lifted.fun
+        self.graphdef = layout.split.graphdef
+        self.unchanged_graphdef = self.graphdef.with_same_outer_index()
+        self.treedef, self.statics = layout.treedef, layout.statics
+        self.node_pos = layout.node_pos
+        self.var_order = layout.var_groups[0] + layout.var_groups[1]
+        self.dyn_order = layout.dyn_groups[0] + layout.dyn_groups[1]
+        self.donated = frozenset(layout.var_groups[1])
+        self.names = [format_path(layout.leaf_paths[i]) for i in layout.node_pos]
+        self.leaf_position = {
+            index: i for i, index in enumerate(layout.split.leaf_index) if index is not None
+        }
+        self.arrays = tuple(i for i, index in enumerate(layout.split.leaf_index) if index is None)
+        self.__name__ = getattr(self.fun, "__name__", "lifted")
+        self.__qualname__ = getattr(self.fun, "__qualname__", self.__name__)
+
+    def __call__(self, kept_vars, kept_dyn, donated_vars, donated_dyn):
+        values: list[Any] = [None] * len(self.var_order)
+        for i, value in zip(self.var_order, (*kept_vars, *donated_vars), strict=True):
+            values[i] = value
+        rebuilt = Rebuilt(self.graphdef, values)
+        leaves: list[Any] = [None] * (len(self.node_pos) + len(self.dyn_order))
+        for i, node in zip(self.node_pos, rebuilt.nodes, strict=True):
+            leaves[i] = node
+        for i, value in zip(self.dyn_order, (*kept_dyn, *donated_dyn), strict=True):
+            leaves[i] = value
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        out = self.fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
+
+        ref_index, new_values, update = rebuilt.changes(
+            self.unchanged_graphdef, self.leaf_position, self.arrays
+        )
+        extra: list[Any] = []
+        if update is None:
+            changed = tuple(
+                i
+                for i, (new, old) in enumerate(zip(new_values, values, strict=True))
+                if new is not old or i in self.donated
+            )
+            var_out = tuple(
+                v if i in frozenset(changed) else None for i, v in enumerate(new_values)
+            )
+        else:
+            update.check_metadata(self.graphdef, self.names)
+            var_list: list[Any] = [None] * len(values)
+            for value, source in zip(new_values, update.sources, strict=True):
+                if source is None:
+                    extra.append(value)
+                else:
+                    var_list[source] = value
+            changed, var_out = (), tuple(var_list)
+        user_out, outputs = encode_outputs(out, ref_index)
+        return var_out, tuple(extra), user_out, _Aux(_TraceInfo(changed, update, outputs))
+
+
+class _Layout:
+    """Everything fixed for one argument layout: the split, the shardings, the staged function."""
 
     def __init__(
         self,
         lifted: Lifted,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        leaves: list[Any],
+        call: _Call,
         treedef: Any,
         statics: tuple[Any, ...],
         mesh: Any,
     ):
         self.lifted, self.treedef, self.statics, self.mesh = lifted, treedef, statics, mesh
+        leaves = call.leaves
         self.node_pos = tuple(i for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
         self.dyn_pos = tuple(i for i, leaf in enumerate(leaves) if not is_graph_leaf(leaf))
-        self.split = GraphSplit(tuple(leaves[i] for i in self.node_pos))
-        self.leaf_paths = _leaf_paths(lifted, args, kwargs, statics)
-        donated = _donated_leaves(lifted, args, kwargs, statics)
-        var_specs, dyn_specs = self._resolve_in_specs(args, leaves)
+        self.split = GraphSplit(call.nodes)
+        sig = lifted.signature
+        self.leaf_paths = sig.leaf_paths(args, kwargs, statics)
+        donated = sig.donated_leaves(args, kwargs, statics)
+        self.var_shardings, self.dyn_shardings = self._in_shardings(args, leaves)
+        dyn_shardings = self.dyn_shardings
 
         var_donated = [donated[self.node_pos[path[0]]] for path in self.split.paths]
-        self.var_groups = _partition(range(len(var_specs)), var_donated)
+        self.var_groups = _partition(range(len(self.var_shardings)), var_donated)
         self.dyn_groups = _partition(self.dyn_pos, [donated[i] for i in self.dyn_pos])
         self.donated = bool(self.var_groups[1] or self.dyn_groups[1])
-        in_specs = (
-            tuple(var_specs[i] for i in self.var_groups[0]),
-            tuple(dyn_specs[i] for i in self.dyn_groups[0]),
-            tuple(var_specs[i] for i in self.var_groups[1]),
-            tuple(dyn_specs[i] for i in self.dyn_groups[1]),
+        in_shardings = (
+            tuple(self.var_shardings[i] for i in self.var_groups[0]),
+            tuple(dyn_shardings[i] for i in self.dyn_groups[0]),
+            tuple(self.var_shardings[i] for i in self.var_groups[1]),
+            tuple(dyn_shardings[i] for i in self.dyn_groups[1]),
         )
-        self.in_specs = in_specs
         donate_argnums = (2, 3) if self.donated else ()
-        staged_key = (self.split.key, treedef, statics, in_specs, donate_argnums, mesh)
-        staged = lifted._staged.get(staged_key)
-        if staged is None:
+        key = (self.split.key, treedef, statics, in_shardings, donate_argnums, mesh)
+        if key not in lifted._staged:
+            out_shardings = (self.var_shardings, None, self._out_shardings(call), None)
             spec = StageSpec(
-                in_specs=in_specs,
-                out_specs=(var_specs, self._resolve_out_specs(leaves), None),
+                in_specs=in_shardings,
+                out_specs=out_shardings,
                 mesh=mesh,
                 donate_argnums=donate_argnums,
                 options=lifted.options,
             )
-            staged = lifted.backend.stage(self._pure_function(), spec)
-            lifted._staged[staged_key] = staged
-        self.staged = staged
-        self._index_map = self.split.index_map()
-        self._place_variables(var_specs)
+            self.staged = lifted._stage(key, lambda: PureFunction(lifted, self), spec)
+        else:
+            self.staged = lifted._staged[key]
+        self.placed = False
 
-    # -- per call ---------------------------------------------------------------------
-    def inputs(self, leaves: list[Any]) -> tuple[tuple[Any, ...], ...]:
-        """The staged function's four arguments, gathered from the caller's objects."""
-        values = self.split.gather()
+    # -- per call -------------------------------------------------------------------------
+    def inputs(self, values: Sequence[Any], call: _Call) -> tuple[tuple[Any, ...], ...]:
+        """The staged function's four arguments."""
+        leaves = call.leaves
         if not self.donated:
-            return values, tuple(leaves[i] for i in self.dyn_pos), (), ()
+            return tuple(values), tuple(leaves[i] for i in self.dyn_pos), (), ()
         return (
             tuple(values[i] for i in self.var_groups[0]),
             tuple(leaves[i] for i in self.dyn_groups[0]),
@@ -293,210 +375,159 @@ class _Binding:
             tuple(leaves[i] for i in self.dyn_groups[1]),
         )
 
-    def run(self, staged: Any, inputs: tuple[tuple[Any, ...], ...]) -> Any:
-        """Call ``staged``, write updated Variables back, rebuild graph nodes in the output.
+    def placed_inputs(self, call: _Call) -> tuple[tuple[Any, ...], ...]:
+        """The inputs with every array on its planned sharding, written nowhere (for stages)."""
+        values = self.split.gather()
+        moved = self._moved_inputs(values, call)
+        return self.inputs(values, call) if moved is None else self.inputs(*moved)
 
-        Arrays already placed with another sharding than the plan's (JAX refuses
-        those) are moved to the plan's sharding and the call is made again.
-        """
-        try:
-            outputs = staged(*inputs)
-        except ValueError:
-            moved = self._reshard(inputs)
-            if moved is None:
-                raise
-            outputs = staged(*moved)
-        var_out, user_out, aux = outputs
-        self.split.scatter(aux.info.changed, var_out)
-        if not aux.info.out_graphdefs:
-            return user_out
-        return _decode_outputs(user_out, aux.info, self._index_map)
+    def run(self, staged: Any, call: _Call) -> Any:
+        """Call ``staged``; then, all or nothing, write back and rebuild graph nodes in the output.
 
-    def _place_variables(self, shardings: tuple[Sharding | None, ...]) -> None:
-        """Move Variables whose arrays are not where the plan puts them (once, not per call).
-
-        Under an outer trace (jax.jit, make_jaxpr) the moved values are tracers,
-        which must never be written into the caller's objects: then nothing moves.
+        The first call of a layout also places Variables onto the plan, once it
+        has succeeded. A Variable given an array on another sharding since (JAX
+        refuses those) is moved back to the plan's and the call is made again.
         """
         values = self.split.gather()
-        placed = _onto(values, shardings)
-        if placed is None or any(isinstance(v, jax.core.Tracer) for v in placed):
-            return
-        self.split.scatter(range(len(placed)), placed)
+        placed = None if self.placed else _onto(values, self.var_shardings)
+        try:
+            outputs = staged(*self.inputs(placed or values, call))
+        except ValueError:
+            moved = self._moved_inputs(placed or values, call)
+            if moved is None:
+                raise
+            placed, call = moved
+            outputs = staged(*self.inputs(placed, call))
+        var_out, extra, user_out, aux = outputs
+        info = aux.info
+        index_map = self._write_back(info, values, placed, var_out, extra, call)
+        self.placed = True
+        return decode_outputs(user_out, info.outputs, index_map)
 
-    def _reshard(self, inputs: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...] | None:
-        """``inputs`` with each array put on its planned sharding; None if all already were."""
-        placed = [_onto(group, specs) for group, specs in zip(inputs, self.in_specs, strict=True)]
-        if all(p is None for p in placed):
+    def _moved_inputs(self, values: Sequence[Any], call: _Call) -> tuple[list, _Call] | None:
+        """Inputs moved onto their planned shardings (JAX refuses others); None if none moved."""
+        placed = _onto(values, self.var_shardings)
+        leaves = [call.leaves[i] for i in self.dyn_pos]
+        moved_leaves = _onto(leaves, [self.dyn_shardings[i] for i in self.dyn_pos])
+        if placed is None and moved_leaves is None:
             return None
-        return tuple(
-            group if p is None else tuple(p) for group, p in zip(inputs, placed, strict=True)
-        )
+        new_leaves = list(call.leaves)
+        for i, leaf in zip(self.dyn_pos, moved_leaves or leaves, strict=True):
+            new_leaves[i] = leaf
+        return (placed or list(values)), _Call(new_leaves, call.nodes)
 
-    def abstract_index_map(self) -> graphlib.IndexMap:
-        """Like the caller's index map, but over abstract copies of the nodes (for eval_shape)."""
-        nodes = self.split.rebuild([_abstract(v) for v in self.split.gather()])
-        ref_index = graphlib.RefMap()
-        nnx.graph.flatten(nodes, ref_index=ref_index)
-        return graphlib.IndexMap({index: node for node, index in ref_index.items()})
-
-    # -- tracing ----------------------------------------------------------------------
-    def _pure_function(self) -> Callable[..., Any]:
-        lifted, split, treedef, statics = self.lifted, self.split, self.treedef, self.statics
-        node_pos = self.node_pos
-        var_order = self.var_groups[0] + self.var_groups[1]
-        dyn_order = self.dyn_groups[0] + self.dyn_groups[1]
-        donated_vars = frozenset(self.var_groups[1])
-        n_leaves = len(node_pos) + len(dyn_order)
-        names = [self.leaf_paths[i] for i in node_pos]
-
-        def pure(kept_vars, kept_dyn, donated_var_values, donated_dyn):
-            var_values: list[Any] = [None] * len(var_order)
-            for i, value in zip(var_order, (*kept_vars, *donated_var_values), strict=True):
-                var_values[i] = value
-            nodes = split.rebuild(var_values)
-            leaves: list[Any] = [None] * n_leaves
-            for i, node in zip(node_pos, nodes, strict=True):
-                leaves[i] = node
-            for i, value in zip(dyn_order, (*kept_dyn, *donated_dyn), strict=True):
-                leaves[i] = value
-            args, kwargs = jax.tree.unflatten(treedef, leaves)
-            out = lifted.fun(*_insert_statics(args, statics), **kwargs, **_named_statics(statics))
-
-            ref_index = graphlib.RefMap()
-            graphdef, new_values = nnx.graph.flatten(nodes, ref_index=ref_index, with_paths=False)
-            if fingerprint(graphdef) != split.key:
-                raise StructureChangedError(
-                    f"{lifted.__name__} changed the structure of its arguments: "
-                    f"{split.describe_change(split.rebuild(var_values), nodes, names)}. meshlift writes "
-                    f"back array values only; make structural changes (new attributes, replaced "
-                    f"submodules, static fields) outside the lifted function."
-                )
-            changed = tuple(
-                i
-                for i, (new, old) in enumerate(zip(new_values, var_values, strict=True))
-                if new is not old or i in donated_vars
+    def _write_back(
+        self,
+        info: _TraceInfo,
+        values: Sequence[Any],
+        placed: Sequence[Any] | None,
+        var_out: Sequence[Any],
+        extra: Sequence[Any],
+        call: _Call,
+    ) -> Any:
+        """Validate every write, then make them; the index map to decode outputs with."""
+        split = self.split
+        if info.update is not None:
+            leaves, extras = [], iter(extra)
+            for source in info.update.sources:
+                leaves.append(next(extras) if source is None else var_out[source])
+            self._check_no_leak(leaves, range(len(split.leaves)))
+            return info.update.apply(leaves, split.index_map(call.nodes))
+        writes = dict.fromkeys(info.changed)
+        if placed is not None:
+            writes.update(
+                (i, None) for i, (a, b) in enumerate(zip(placed, values, strict=True)) if a is not b
             )
-            kept = frozenset(changed)
-            var_out = tuple(v if i in kept else None for i, v in enumerate(new_values))
-            user_out, info = _encode_outputs(out, ref_index, changed)
-            return var_out, user_out, _Aux(info)
+        positions = list(writes)
+        changed = frozenset(info.changed)
+        new = [var_out[i] if i in changed else placed[i] for i in positions]  # type: ignore[index]
+        self._check_no_leak(new, positions)
+        split.scatter(positions, new)
+        return split.index_map(call.nodes) if info.outputs.graphdefs else None
 
-        pure.__name__ = getattr(lifted.fun, "__name__", "lifted")
-        pure.__qualname__ = getattr(lifted.fun, "__qualname__", pure.__name__)
-        return pure
+    def _check_no_leak(self, new: Sequence[Any], positions: Iterable[int]) -> None:
+        """Refuse to put an outer transform's tracers into Variables that live outside it."""
+        if not any(isinstance(v, jax.core.Tracer) for v in new[:1]):
+            return
+        split = self.split
+        outside = [
+            i for i in positions if i < len(split.leaves) and not _updatable(split.leaves[i])
+        ]
+        if outside:
+            names = [format_path(self._variable_path(i)) for i in outside]
+            raise TraceLeakError(
+                f"{self.lifted.fun_name} was called inside an outer JAX transform (jax.jit, "
+                f"lax.scan, jax.grad, jax.vmap...) and would write that transform's tracers "
+                f"into {listing(names)}, which live outside it. Nothing was written. Pass the "
+                f"model through the outer transform (nnx.jit, nnx.scan, nnx.grad, nnx.vmap, or "
+                f"nnx.split/nnx.merge around jax.jit) so its state flows through it, or call "
+                f"{self.lifted.fun_name} outside the transform."
+            )
 
-    # -- plan resolution ----------------------------------------------------------------
-    def _resolve_in_specs(
+    def _variable_path(self, i: int) -> Path:
+        path = self.split.paths[i]
+        return (*self.leaf_paths[self.node_pos[path[0]]], *path[1:])
+
+    def eval_shape(self, call: _Call) -> Any:
+        values = self.split.gather()
+        abstract = jax.tree.map(_abstract, self.inputs(values, call))
+        var_out, extra, user_out, aux = jax.eval_shape(self.staged, *abstract)
+        info = aux.info
+        index_map = abstract_index_map(self.split.graphdef, [_abstract(v) for v in values])
+        if info.update is not None:
+            extras = iter(extra)
+            leaves = [next(extras) if s is None else var_out[s] for s in info.update.sources]
+            index_map = info.update.apply(leaves, index_map)
+        return decode_outputs(user_out, info.outputs, index_map)
+
+    # -- plan resolution --------------------------------------------------------------------
+    def _in_shardings(
         self, args: tuple[Any, ...], leaves: list[Any]
     ) -> tuple[tuple[Sharding | None, ...], dict[int, Sharding | None]]:
         """One sharding per Variable (split order) and per other leaf (by leaf position)."""
-        positional = _positional_prefix(self.lifted, args)
-        in_name = self.lifted.in_name
-        prefix = _broadcast_prefix(positional, args, in_name, "arguments")
-        prefix += [None] * (len(leaves) - len(prefix))  # kwargs take no specs, as in jax.jit
-        var_index = {id(v): i for i, v in enumerate(self.split.variables)}
-        var_specs: list[Sharding | None] = [None] * len(var_index)
-        origin: dict[int, tuple[str, Any]] = {}
-        for pos in self.node_pos:
-            for path, variable in variable_paths(leaves[pos]):
-                full = ".".join(
-                    filter(None, (self.leaf_paths[pos], format_path(path) if path else ""))
-                )
-                spec = prefix[pos]
-                if isinstance(spec, StateSharding):
-                    spec = spec.spec_for(path, variable)
-                i = var_index[id(variable)]
-                if i not in origin:
-                    origin[i] = (full, spec)
-                    var_specs[i] = to_sharding(spec, self.mesh, full, variable, in_name)
-                elif origin[i][1] != spec:
-                    raise PlanError(
-                        f"the shared Variable at `{origin[i][0]}` and `{full}` (shape "
-                        f"{value_shape(variable)}) is given two specs, {origin[i][1]} and {spec}, on "
-                        f"mesh {_mesh_shape(self.mesh)}; give both paths the same spec"
-                    )
-        dyn_specs = {}
-        for pos in self.dyn_pos:
-            spec = prefix[pos]
-            if isinstance(spec, StateSharding):
-                spec = spec.spec_for(tuple(self.leaf_paths[pos].split(".")), leaves[pos])
-            path = self.leaf_paths[pos]
-            dyn_specs[pos] = to_sharding(spec, self.mesh, path, leaves[pos], in_name)
-        return tuple(var_specs), dyn_specs
-
-    def _resolve_out_specs(self, leaves: list[Any]) -> Any:
-        """The output's shardings; a plan for output modules is resolved on an abstract trace."""
-        out_specs = self.lifted.out_specs
-        if not any(isinstance(s, StateSharding | Mapping) for s in _spec_leaves(out_specs)):
-            return jax.tree.map(
-                lambda s: to_sharding(s, self.mesh, "output", None, self.lifted.out_name),
-                out_specs,
-                is_leaf=is_spec,
-            )
-        abstract_inputs = jax.tree.map(_abstract, self.inputs(leaves))
-        try:
-            _, user_out, aux = jax.eval_shape(self._pure_function(), *abstract_inputs)
-        except NameError as e:  # a collective over a mesh axis, outside the backend's map
-            raise PlanError(
-                f"{self.lifted.out_name} holds a StateSharding, which meshlift resolves by tracing "
-                f"{self.lifted.__name__} outside the {self.lifted.backend.name} backend, where its "
-                f"collectives cannot run ({e}). Give {self.lifted.out_name} as PartitionSpecs "
-                f"for this backend."
-            ) from None
-        abstract_out = _decode_outputs(user_out, aux.info, self.abstract_index_map())
-        return _output_leaf_specs(
-            out_specs, abstract_out, aux.info, self.mesh, self.lifted.out_name
+        lifted = self.lifted
+        positional = lifted.signature.positional_prefix(
+            lifted.in_specs, args, lifted.in_name, lifted.fun_name
         )
-
-
-class Traced:
-    """JAX's ``Traced`` for a lifted function; ``.lower()`` continues to a ``Lowered``."""
-
-    def __init__(self, traced: Any, binding: _Binding):
-        self.jax_traced, self._binding = traced, binding
-
-    def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self.jax_traced.lower(**kwargs), self._binding)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.jax_traced, name)
-
-
-class Lowered:
-    """JAX's ``Lowered`` for a lifted function (``as_text``, ``cost_analysis``...)."""
-
-    def __init__(self, lowered: Any, binding: _Binding):
-        self.jax_lowered, self._binding = lowered, binding
-
-    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
-        return Compiled(self.jax_lowered.compile(compiler_options), self._binding)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.jax_lowered, name)
-
-
-class Compiled:
-    """JAX's ``Compiled``, called with the same kind of arguments as the lifted function.
-
-    ``as_text``, ``cost_analysis``, ``memory_analysis``, ``input_shardings`` and
-    ``output_shardings`` are JAX's, in terms of the staged function's flat inputs.
-    """
-
-    def __init__(self, compiled: Any, binding: _Binding):
-        self.jax_compiled, self._binding = compiled, binding
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        binding, leaves = self._binding.lifted._bind(args, kwargs, self._binding.mesh)
-        if binding.staged is not self._binding.staged:
-            raise TypeError(
-                "these arguments differ in structure, shardings or static values from the ones "
-                "this function was compiled for; call .lower(...).compile() again for them"
+        prefix = resolve.broadcast_prefix(positional, args, lifted.in_name, "arguments")
+        prefix += [None] * (len(leaves) - len(prefix))  # kwargs take no specs, as in jax.jit
+        position = {id(v): i for i, v in enumerate(self.split.leaves)}
+        node_specs = [
+            (format_path(self.leaf_paths[pos]), leaves[pos], prefix[pos]) for pos in self.node_pos
+        ]
+        var_shardings = resolve.variable_shardings(
+            node_specs, position, len(position), self.mesh, lifted.in_name
+        )
+        dyn_shardings = {
+            pos: resolve.leaf_sharding(
+                prefix[pos], self.leaf_paths[pos], leaves[pos], self.mesh, lifted.in_name
             )
-        return binding.run(self.jax_compiled, binding.inputs(leaves))
+            for pos in self.dyn_pos
+        }
+        return var_shardings, dyn_shardings
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.jax_compiled, name)
+    def _out_shardings(self, call: _Call) -> Any:
+        """The output's shardings; a plan for output modules is resolved on an abstract trace."""
+        lifted = self.lifted
+        out_specs = lifted.out_specs
+        if not any(isinstance(s, StateSharding | Mapping) for s in resolve.spec_leaves(out_specs)):
+            return resolve.simple_shardings(out_specs, self.mesh, lifted.out_name)
+        values = self.split.gather()
+        abstract = jax.tree.map(_abstract, self.inputs(values, call))
+        try:
+            _, _, user_out, aux = jax.eval_shape(PureFunction(lifted, self), *abstract)
+        except Exception as e:
+            raise PlanError(
+                f"{lifted.out_name} holds a StateSharding, which meshlift resolves by tracing "
+                f"{lifted.fun_name} abstractly, outside the {lifted.backend.name} backend; that "
+                f"trace failed ({type(e).__name__}: {e}). Give {lifted.out_name} as "
+                f"PartitionSpecs for this function."
+            ) from e
+        index_map = abstract_index_map(self.split.graphdef, [_abstract(v) for v in values])
+        abstract_out = decode_outputs(user_out, aux.info.outputs, index_map)
+        return resolve.output_shardings(
+            out_specs, abstract_out, aux.info.outputs, self.mesh, lifted.out_name
+        )
 
 
 def transform(
@@ -519,10 +550,12 @@ def transform(
     and the output, with ``PartitionSpec``, ``NamedSharding``, ``None`` or
     ``StateSharding`` leaves. Other keyword options go to the backend.
 
-    Example::
+    Example:
 
-        step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, P("data")),
-                            out_specs=P())
+    ```python
+    step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, P("data")),
+                        out_specs=P())
+    ```
     """
     kwargs = dict(
         mesh=mesh,
@@ -537,6 +570,7 @@ def transform(
     backend = get_backend(backend)
     if backend.unify is not None:
         kwargs = backend.unify(kwargs)
+    kwargs.setdefault("spec_names", backend.spec_names)
     if fun is None:
         return lambda f: Lifted(f, backend, **kwargs)
     return Lifted(fun, backend, **kwargs)
@@ -545,77 +579,19 @@ def transform(
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _parameter_names(fun: Callable[..., Any]) -> list[str]:
-    try:
-        parameters = inspect.signature(fun).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in kinds]
+def _checked_specs(specs: Any, what: str) -> Any:
+    """Refuse a graph node given where specs go, when the function is lifted."""
+    node = next((s for s in resolve.spec_leaves(specs) if is_graph_leaf(s)), None)
+    if node is not None:
+        raise PlanError(
+            f"{what} contains a {type(node).__name__}, a graph node, where specs go; give a "
+            f"StateSharding (or an nnx.State / nested dict of PartitionSpecs) instead"
+        )
+    return specs
 
 
-def _infer_argnums_and_argnames(
-    names: list[str], argnums: int | Iterable[int] | None, argnames: str | Iterable[str] | None
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """jax.jit's rule: given only numbers, infer the names from the signature, and back."""
-    nums = () if argnums is None else (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    strs = () if argnames is None else (argnames,) if isinstance(argnames, str) else tuple(argnames)
-    if argnums is not None and argnames is None:
-        strs = tuple(names[i] for i in nums if -len(names) <= i < len(names))
-    elif argnames is not None and argnums is None:
-        nums = tuple(names.index(n) for n in strs if n in names)
-    return nums, strs
-
-
-def _insert_statics(args: tuple[Any, ...], statics: tuple[Any, ...]) -> list[Any]:
-    out = list(args)
-    for where, value in statics:
-        if isinstance(where, int):
-            out.insert(where, value)
-    return out
-
-
-def _named_statics(statics: tuple[Any, ...]) -> dict[str, Any]:
-    return {where: value for where, value in statics if isinstance(where, str)}
-
-
-def _original_index(j: int, statics: tuple[Any, ...]) -> int:
-    """The caller's position of the j-th non-static positional argument."""
-    static_nums = sorted(where for where, _ in statics if isinstance(where, int))
-    i = j
-    for s in static_nums:
-        if s <= i:
-            i += 1
-    return i
-
-
-def _leaf_paths(
-    lifted: Lifted, args: tuple[Any, ...], kwargs: dict[str, Any], statics: tuple[Any, ...]
-) -> list[str]:
-    """A readable path per leaf: ``model`` for a module argument, ``batch.x`` inside a dict."""
-    with_paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_graph_leaf)
-    out = []
-    for keypath, _ in with_paths:
-        which, first, *rest = keypath
-        if key_name(which) == "0":
-            head = lifted._arg_name(_original_index(int(key_name(first)), statics))
-        else:
-            head = key_name(first)
-        out.append(".".join([head, *map(key_name, rest)]))
-    return out
-
-
-def _donated_leaves(
-    lifted: Lifted, args: tuple[Any, ...], kwargs: dict[str, Any], statics: tuple[Any, ...]
-) -> list[bool]:
-    flags: list[bool] = []
-    for j, arg in enumerate(args):
-        donate = _original_index(j, statics) in lifted.donate_argnums
-        flags += [donate] * len(jax.tree.leaves(arg, is_leaf=is_graph_leaf))
-    for name, value in kwargs.items():
-        donate = name in lifted.donate_argnames
-        flags += [donate] * len(jax.tree.leaves(value, is_leaf=is_graph_leaf))
-    return flags
+def _updatable(variable: Any) -> bool:
+    return not hasattr(variable, "get_raw_value") or compat.can_update(variable)
 
 
 def _partition(items: Iterable[int], flags: list[bool]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -626,155 +602,30 @@ def _partition(items: Iterable[int], flags: list[bool]) -> tuple[tuple[int, ...]
     )
 
 
-def _spec_leaves(specs: Any) -> list[Any]:
-    return jax.tree.leaves(specs, is_leaf=lambda x: is_spec(x) or isinstance(x, Mapping))
-
-
-def _positional_prefix(lifted: Lifted, args: tuple[Any, ...]) -> Any:
-    """``in_specs`` as a prefix of the non-static positional arguments."""
-    specs = lifted.in_specs
-    if not isinstance(specs, tuple | list):
-        return specs
-    specs = tuple(specs)
-    if len(specs) == len(args):
-        return specs
-    n_static = len([n for n in lifted.static_argnums if n >= 0])
-    if n_static and len(specs) == len(args) + n_static:
-        return tuple(s for i, s in enumerate(specs) if i not in lifted.static_argnums)
-    raise PlanError(
-        f"in_specs has {len(specs)} entries but {lifted.__name__} was called with {len(args)} "
-        f"positional arguments (not counting static ones); give one spec per argument, or a "
-        f"single spec for all"
-    )
-
-
-def _broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = "") -> list[Any]:
-    """One spec per leaf of ``tree`` (graph nodes are leaves) from a prefix of it."""
-    if is_graph_leaf(tree) and isinstance(prefix, Mapping):
-        prefix = StateSharding.from_state(prefix)
-    if is_spec(prefix) or is_graph_leaf(tree):
-        if not is_spec(prefix):
-            raise PlanError(
-                f"{what} at `{path or '<root>'}` is a {type(prefix).__name__} but the value "
-                f"there is a {type(tree).__name__}; use a PartitionSpec or a StateSharding"
-            )
-        return [prefix] * len(jax.tree.leaves(tree, is_leaf=is_graph_leaf))
-    if isinstance(prefix, tuple | list) and isinstance(tree, tuple | list):
-        if len(prefix) == len(tree):
-            return [
-                spec
-                for i, (p, t) in enumerate(zip(prefix, tree, strict=True))
-                for spec in _broadcast_prefix(p, t, what, noun, f"{path}[{i}]")
-            ]
-    elif isinstance(prefix, Mapping) and isinstance(tree, Mapping) and set(prefix) == set(tree):
-        return [
-            spec
-            for k in sorted(tree)
-            for spec in _broadcast_prefix(prefix[k], tree[k], what, noun, f"{path}.{k}".lstrip("."))
-        ]
-    else:  # any other pytree node (a flax struct such as TrainState): match it one level down
-        prefix_children, prefix_def = _one_level(prefix)
-        tree_children, tree_def = _one_level(tree)
-        is_node = not (len(prefix_children) == 1 and prefix_children[0][1] is prefix)
-        if is_node and prefix_def == tree_def:
-            return [
-                spec
-                for (key, p), (_, t) in zip(prefix_children, tree_children, strict=True)
-                for spec in _broadcast_prefix(p, t, what, noun, f"{path}.{key}".lstrip("."))
-            ]
-    raise PlanError(
-        f"{what} does not match the {noun} at "
-        f"`{path or '<root>'}`: the spec is {prefix!r} but the value is a "
-        f"{type(tree).__name__}; a spec tree must be a prefix of it (one entry per tuple "
-        f"element or dict key)"
-    )
-
-
-def _one_level(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """The (key, child) pairs of a pytree node, and its one-level treedef."""
-    children, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
-    return [(".".join(key_name(k) for k in keys), child) for keys, child in children], treedef
-
-
 def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
-    """``values`` with each array not on its sharding moved there; None if none had to move."""
+    """``values`` with each array not on its sharding moved there; None if none had to move.
+
+    Tracers (an outer trace) are never moved: they are not the caller's arrays.
+    """
     misplaced = [
         i
         for i, (value, sharding) in enumerate(zip(values, shardings, strict=True))
-        if sharding is not None and getattr(value, "sharding", sharding) != sharding
+        if sharding is not None
+        and not isinstance(value, jax.core.Tracer)
+        and getattr(value, "sharding", sharding) != sharding
     ]
     if not misplaced:
         return None
     moved = jax.device_put([values[i] for i in misplaced], [shardings[i] for i in misplaced])
+    if isinstance(moved[0], jax.core.Tracer):  # device_put was staged into an outer trace
+        return None
     placed = list(values)
     for i, value in zip(misplaced, moved, strict=True):
         placed[i] = value
     return placed
 
 
-def _mesh_shape(mesh: Any) -> Any:
-    return dict(mesh.shape) if mesh is not None else None
-
-
 def _abstract(x: Any) -> Any:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     return x
-
-
-def _encode_outputs(
-    out: Any, ref_index: graphlib.RefMap, changed: tuple[int, ...]
-) -> tuple[Any, _TraceInfo]:
-    """Replace graph nodes in the output by the tuple of their new arrays."""
-    leaves, treedef = jax.tree.flatten(out, is_leaf=is_graph_leaf)
-    graphdefs, paths = {}, {}
-    for i, leaf in enumerate(leaves):
-        if is_graph_leaf(leaf):
-            graphdefs[i], flat = nnx.graph.flatten(leaf, ref_index=ref_index)
-            paths[i] = tuple(flat.paths)
-            leaves[i] = tuple(
-                v.get_raw_value() if isinstance(v, nnx.Variable) else v for v in flat.leaves
-            )
-    info = _TraceInfo(changed, treedef, graphdefs, paths)
-    return (jax.tree.unflatten(treedef, leaves) if graphdefs else out), info
-
-
-def _decode_outputs(user_out: Any, info: _TraceInfo, index_map: graphlib.IndexMap) -> Any:
-    """Rebuild graph nodes in the output; references to inputs resolve through ``index_map``."""
-    if not info.out_graphdefs:
-        return user_out
-    items = info.out_treedef.flatten_up_to(user_out)
-    index_map = graphlib.IndexMap(index_map)
-    for i, graphdef in info.out_graphdefs.items():
-        items[i] = nnx.graph.unflatten(graphdef, list(items[i]), index_ref=index_map)
-    return info.out_treedef.unflatten(items)
-
-
-def _output_leaf_specs(
-    out_specs: Any, abstract_out: Any, info: _TraceInfo, mesh: Any, what: str
-) -> Any:
-    """Shardings for the encoded output, with a plan resolved per Variable of output modules."""
-    prefix = _broadcast_prefix(out_specs, abstract_out, what, "output")
-    leaves = info.out_treedef.flatten_up_to(abstract_out)
-    keypaths = [
-        k for k, _ in jax.tree_util.tree_flatten_with_path(abstract_out, is_leaf=is_graph_leaf)[0]
-    ]
-    result = []
-    for i, (spec, leaf) in enumerate(zip(prefix, leaves, strict=True)):
-        if i not in info.out_graphdefs:
-            path = tuple(map(key_name, keypaths[i]))
-            if isinstance(spec, StateSharding):
-                spec = spec.spec_for(path, leaf)
-            result.append(to_sharding(spec, mesh, format_path(("output", *path)), leaf, what))
-            continue
-        variables = dict(variable_paths(leaf))
-        shardings = []
-        for path in info.out_paths[i]:
-            leaf_spec = (
-                spec.spec_for(path, variables[path]) if isinstance(spec, StateSharding) else spec
-            )
-            shardings.append(
-                to_sharding(leaf_spec, mesh, f"output.{format_path(path)}", variables[path], what)
-            )
-        result.append(tuple(shardings))
-    return info.out_treedef.unflatten(result)

@@ -211,7 +211,7 @@ def with_logical_constraint(
         with ml.use_mesh(mesh), ml.axis_rules([("batch", "data")]):
             y = ml.with_logical_constraint(y, ("batch", "embed"))   # P('data', None)
     """
-    mesh = mesh if mesh is not None else _context_mesh()
+    mesh = mesh if mesh is not None else current_mesh(legacy=True)
     rules = _resolve_rules(rules)
     if mesh is None or names is None or not rules:
         return x
@@ -227,16 +227,6 @@ def with_logical_constraint(
             return constrain(names, x)
         return jax.tree.map(lambda v: constrain(names, v), x)
     return jax.tree.map(constrain, names, x, is_leaf=_is_logical_leaf)
-
-
-def _context_mesh() -> Any:
-    mesh = current_mesh()
-    if mesh is not None:
-        return mesh
-    from jax._src import mesh as mesh_lib  # the deprecated `with mesh:` context
-
-    physical = mesh_lib.thread_resources.env.physical_mesh
-    return None if physical.empty else physical
 
 
 def _resolve_rules(rules: Rules | None) -> tuple[tuple[str, MeshAxes], ...]:

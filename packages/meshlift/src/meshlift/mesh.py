@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from meshlift import compat
+
 
 def make_mesh(
     axis_shapes: Mapping[str, int] | Sequence[int],
@@ -79,9 +81,14 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
         yield mesh
 
 
-def current_mesh() -> Mesh | None:
-    """The mesh set by ``ml.use_mesh`` or ``jax.set_mesh``, else None; also inside traces."""
-    from jax._src.mesh import get_concrete_mesh  # jax.sharding.get_mesh refuses inside traces
+def current_mesh(*, legacy: bool = False) -> Mesh | None:
+    """The mesh in context at the call site, also inside traces; None if there is none.
 
-    mesh = get_concrete_mesh()
-    return None if mesh is None or mesh.empty else mesh
+    That is the mesh of ``ml.use_mesh`` / ``jax.set_mesh``; with ``legacy=True``,
+    else the mesh of the deprecated ``with mesh:`` context (what old ``pjit``
+    code declares). Every part of meshlift looks the mesh up here.
+    """
+    mesh = compat.concrete_mesh()
+    if mesh is None and legacy:
+        mesh = compat.legacy_mesh()
+    return mesh

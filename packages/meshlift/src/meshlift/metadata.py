@@ -34,10 +34,12 @@ from flax.nnx import graphlib, variablelib
 from flax.nnx import spmd as nnx_spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshlift import compat
 from meshlift.graph import variable_paths
 from meshlift.logical import check_rules, current_rules, logical_to_mesh_axes
 from meshlift.mesh import current_mesh
-from meshlift.sharding import PlanError, format_path, key_name, spec_problems
+from meshlift.paths import PlanError, format_path, key_name
+from meshlift.specs import spec_problems
 
 Path = tuple[Hashable, ...]
 
@@ -54,13 +56,6 @@ __all__ = [
 
 
 # -- annotating ------------------------------------------------------------------------------
-
-
-def _in_linen_module() -> bool:
-    """True while a linen module is running (initializers called by ``self.param``)."""
-    from flax.linen import module as linen_module
-
-    return linen_module._context.module_stack[-1] is not None
 
 
 def with_partitioning(
@@ -84,7 +79,7 @@ def with_partitioning(
     @functools.wraps(init_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         value = init_fn(*args, **kwargs)
-        if _in_linen_module():
+        if compat.in_linen_module():
             return flax_meta.Partitioned(value, names, mesh=mesh)
         value = _place(value, PartitionSpec(*names), mesh)
         metadata = {"out_sharding": names, "eager_sharding": False}
@@ -122,7 +117,7 @@ def with_logical_partitioning(
     @functools.wraps(init_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         value = init_fn(*args, **kwargs)
-        if _in_linen_module():
+        if compat.in_linen_module():
             from flax.linen import spmd as linen_spmd
 
             return linen_spmd.LogicallyPartitioned(value, names, mesh=mesh, rules=rules)

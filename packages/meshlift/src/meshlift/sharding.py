@@ -17,32 +17,15 @@ the module it describes (``in_shardings=(plan, P("data"))``).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, TypeAlias
 
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import PartitionSpec, Sharding
 
-Path: TypeAlias = tuple[Hashable, ...]
+from meshlift.paths import Path, PlanError, format_path
+
 Spec: TypeAlias = PartitionSpec | Sharding | None
-
-
-class PlanError(ValueError):
-    """A sharding plan does not fit the arguments it is applied to."""
-
-
-def format_path(path: Iterable[Hashable]) -> str:
-    """``("model", "layers", 0, "kernel")`` -> ``"model.layers.0.kernel"``."""
-    return ".".join(str(part) for part in path) or "<root>"
-
-
-def key_name(key: Any) -> str:
-    """A jax key path entry as a plain name: ``DictKey('w')`` -> ``'w'``."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 class path_endswith:
@@ -229,88 +212,3 @@ def value_shape(value: Any) -> tuple[int, ...]:
     if isinstance(value, nnx.Variable):
         value = value.get_raw_value()
     return tuple(getattr(value, "shape", ()))
-
-
-def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
-    """``P(None, ("data", "model"))`` -> ``[(0, ()), (1, ("data", "model"))]``."""
-    out = []
-    for dim, entry in enumerate(spec):
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            out.append((dim, ()))
-        elif isinstance(entry, str):
-            out.append((dim, (entry,)))
-        else:
-            out.append((dim, tuple(entry)))
-    return out
-
-
-def spec_problems(
-    spec: PartitionSpec,
-    shape: Sequence[int] | None,
-    mesh_shape: Mapping[str, int],
-    what: str = "sharding",
-) -> list[str]:
-    """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can.
-
-    With ``shape`` None (not known yet) only the mesh-axis checks apply.
-    """
-    problems = []
-    if shape is None:
-        shape = (0,) * len(spec)
-    if len(spec) > len(shape):
-        problems.append(
-            f"the spec has {len(spec)} entries but the array has rank {len(shape)}; "
-            f"use at most {len(shape)} entries"
-        )
-    seen: set[str] = set()
-    for dim, axes in spec_axes(spec):
-        for axis in axes:
-            if axis not in mesh_shape:
-                problems.append(
-                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); did you "
-                    f"forget to declare the mesh? Use one of its axis names or a mesh that has it"
-                )
-            elif axis in seen:
-                problems.append(
-                    f"mesh axis {axis!r} is used twice: a single {what} specification can map "
-                    f"every mesh axis to at most one positional dimension"
-                )
-            seen.add(axis)
-        size = math.prod(mesh_shape.get(axis, 1) for axis in axes)
-        if dim < len(shape) and axes and shape[dim] % size:
-            problems.append(
-                f"dimension {dim} (size {shape[dim]}) is not divisible by {size}, the size of "
-                f"mesh axes {axes}; pad the array or choose other axes"
-            )
-    return problems
-
-
-def to_sharding(
-    spec: Spec, mesh: Any, path: str, value: Any, what: str = "sharding"
-) -> Sharding | None:
-    """Resolve a leaf spec to a ``Sharding`` for ``value`` at ``path``, validating it.
-
-    Raises a PlanError naming the path, shape, spec and mesh, calling the spec
-    by the transform's own argument name ``what``. With ``value``
-    None (an output whose shape is not known yet) only the mesh axes are checked.
-    """
-    if spec is None:
-        return None
-    if isinstance(spec, PartitionSpec) and mesh is None:
-        raise PlanError(
-            f"`{path}` has the bare spec {spec} but no mesh is known: pass mesh= to the "
-            f"transform, or call it inside `with ml.use_mesh(mesh):`"
-        )
-    named = spec if isinstance(spec, NamedSharding) else None
-    if named is not None:
-        mesh, spec = named.mesh, named.spec
-    if not isinstance(spec, PartitionSpec):
-        return spec  # another kind of Sharding: JAX checks it
-    shape = value_shape(value) if value is not None else None
-    problems = spec_problems(spec, shape, dict(mesh.shape), what)
-    if problems:
-        raise PlanError(
-            f"cannot shard `{path}` (shape {shape}) with {what} {spec} on mesh "
-            f"{dict(mesh.shape)}: " + "; ".join(problems)
-        )
-    return named or NamedSharding(mesh, spec)

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -81,9 +80,9 @@ def jit(
         )
         if value != default
     }
-    lift = functools.partial(
-        ml.Lifted,
-        backend=BACKEND,
+    return ml.transform(
+        BACKEND,
+        fun,
         mesh=mesh,
         in_specs=in_shardings,
         out_specs=out_shardings,
@@ -91,10 +90,8 @@ def jit(
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
-        options=options,
-        spec_names=("in_shardings", "out_shardings"),
+        **options,
     )
-    return lift if fun is None else lift(fun)
 
 
 BACKEND = ml.Backend(
@@ -105,6 +102,7 @@ BACKEND = ml.Backend(
     distribution="meshlift-jit",
     capabilities={"auto-partitioning", "global-rng", "stages", "donation", "multi-process"},
     description="jax.jit with shardings from the plan; the compiler inserts collectives",
+    spec_names=("in_shardings", "out_shardings"),
 )
 
 

@@ -16,10 +16,9 @@ Example::
 
 from __future__ import annotations
 
-# jax 0.10 has no public reader of either context that works inside a trace:
-# jax.sharding.get_mesh() raises under jit, vmap and grad, and `with mesh:` is deprecated.
-from jax._src import mesh as mesh_lib
 from jax.sharding import Mesh
+
+import meshlift as ml
 
 
 def call_site_mesh(name: str = "this function") -> Mesh:
@@ -27,12 +26,9 @@ def call_site_mesh(name: str = "this function") -> Mesh:
 
     Works inside traces (an outer ``jax.jit``, ``jax.vmap``, ``jax.grad``) too.
     """
-    mesh = mesh_lib.get_concrete_mesh()
-    if not mesh.empty:
+    mesh = ml.current_mesh(legacy=True)
+    if mesh is not None:
         return mesh
-    legacy = mesh_lib.thread_resources.env.physical_mesh
-    if not legacy.empty:
-        return legacy
     raise RuntimeError(
         f"pjit requires a non-empty mesh! {name} was called with no mesh in context. "
         f"Declare one at the call site: `mesh = ml.make_mesh({{'data': 2, 'model': 4}})`, "

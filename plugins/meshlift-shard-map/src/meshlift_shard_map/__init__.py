@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -87,19 +86,18 @@ def shard_map(
         )
         if value != default
     }
-    lift = functools.partial(
-        ml.Lifted,
-        backend=BACKEND,
-        mesh=_call_site_mesh(mesh),
+    return ml.transform(
+        BACKEND,
+        f,
+        mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
         static_argnums=static_argnums,
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
-        options=normalize(options),
+        **options,
     )
-    return lift if f is None else lift(f)
 
 
 def _call_site_mesh(mesh: Mesh | AbstractMesh | None) -> Any:

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -27,8 +28,11 @@ DEFAULTS: Mapping[str, Any] = {
 LEGACY = ("check_rep", "auto")
 
 
-def normalize(options: Mapping[str, Any], stacklevel: int = 3) -> dict[str, Any]:
-    """Every option of the backend with its default filled in and legacy names converted."""
+def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option of the backend with its default filled in and legacy names converted.
+
+    Deprecation warnings point at the user's line, outside meshlift's packages.
+    """
     unknown = set(options) - set(DEFAULTS) - set(LEGACY)
     if unknown:
         raise TypeError(
@@ -43,7 +47,7 @@ def normalize(options: Mapping[str, Any], stacklevel: int = 3) -> dict[str, Any]
         warnings.warn(
             "shard_map's check_rep= is deprecated: pass check_vma= instead (same meaning)",
             DeprecationWarning,
-            stacklevel=stacklevel,
+            stacklevel=_caller_stacklevel(),
         )
         out["check_vma"] = bool(options["check_rep"])
     if options.get("auto") is not None:
@@ -56,7 +60,7 @@ def normalize(options: Mapping[str, Any], stacklevel: int = 3) -> dict[str, Any]
             "shard_map's auto= is deprecated: pass axis_names= with the mesh axes the "
             "function is manual over (the mesh's axes minus the ones in auto)",
             DeprecationWarning,
-            stacklevel=stacklevel,
+            stacklevel=_caller_stacklevel(),
         )
         out["auto_axes"] = _axis_set(options["auto"])
     out["axis_names"] = _axis_set(out["axis_names"])
@@ -81,3 +85,14 @@ def manual_axes(options: Mapping[str, Any], mesh_axes: tuple[str, ...]) -> froze
 
 def _axis_set(names: str | Iterable[str]) -> frozenset[str]:
     return frozenset({names} if isinstance(names, str) else names)
+
+
+_OWN_PACKAGES = ("meshlift", "meshlift_shard_map")
+
+
+def _caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first frame outside meshlift's packages."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level

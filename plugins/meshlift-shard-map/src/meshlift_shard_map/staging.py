@@ -39,7 +39,7 @@ class AxisNameError(NameError):
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     """``jax.jit(jax.shard_map(fn, ...))`` with specs from the core's leaf shardings."""
-    options = normalize(spec.options, stacklevel=6)
+    options = normalize(spec.options)
     mesh = _mesh_of(spec)
     manual = manual_axes(options, mesh.axis_names)
     mapped = jax.shard_map(

@@ -1,0 +1,85 @@
+"""Every access to a private jax or flax name, each guarded, none evaluated at import.
+
+Tested with jax 0.10.2 and flax 0.12.8. Each function has a fallback through
+public API (slower, or less precise) for a version that lacks the private name.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+
+class VariableSlots(NamedTuple):
+    """Direct readers and writer of a Variable's array and metadata, skipping copies and hooks."""
+
+    read: Callable[[Any], Any]
+    write: Callable[[Any, Any], None]
+    read_metadata: Callable[[Any], dict[str, Any]]
+
+
+@functools.cache
+def variable_slots() -> VariableSlots | None:
+    """The fast path's slots if this flax has them and they behave, else None (checked once)."""
+    try:
+        descriptor = nnx.Variable._raw_value  # type: ignore[attr-defined]
+        write = descriptor.__set__
+        read = operator.attrgetter("_raw_value")
+        read_metadata = operator.attrgetter("_var_metadata")
+        probe = nnx.Param(jax.numpy.zeros(()), probe_tag=1)
+        marker = jax.numpy.ones(())
+        write(probe, marker)
+        if read(probe) is not marker or probe.get_raw_value() is not marker:
+            return None
+        if read_metadata(probe).get("probe_tag") != 1:
+            return None
+    except Exception:  # a flax without these slots: the public API is used instead
+        return None
+    return VariableSlots(read, write, read_metadata)
+
+
+def can_update(variable: Any) -> bool:
+    """Whether ``variable`` may take a value of the current trace (flax's own check)."""
+    check = getattr(variable, "_can_update", None)
+    if isinstance(check, bool):
+        return check
+    return isinstance(variable.get_raw_value(), jax.core.Tracer)
+
+
+def concrete_mesh() -> Any:
+    """The mesh of ``jax.set_mesh`` / ``ml.use_mesh``, also inside traces; None if unset."""
+    try:
+        from jax._src.mesh import get_concrete_mesh
+    except ImportError:  # public reader: refuses inside traces on jax 0.10
+        try:
+            mesh = jax.sharding.get_mesh()
+        except Exception:
+            return None
+    else:
+        mesh = get_concrete_mesh()
+    return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+def legacy_mesh() -> Any:
+    """The mesh of the deprecated ``with mesh:`` context, or None."""
+    try:
+        from jax._src.mesh import thread_resources
+    except ImportError:
+        return None
+    mesh = thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def in_linen_module() -> bool:
+    """True while a linen module's ``setup`` or ``__call__`` runs (linen's module stack)."""
+    try:
+        from flax.linen import module as linen_module
+
+        return linen_module._context.module_stack[-1] is not None
+    except (ImportError, AttributeError, IndexError):
+        return False

@@ -1,0 +1,53 @@
+"""The ground floor: parameter paths and the errors that name them.
+
+A path is a tuple of keys whose first entry is the caller's argument name,
+``("model", "linear1", "kernel")``; it is formatted once, for a message, as
+``model.linear1.kernel``.
+
+Example:
+
+```python
+from meshlift.paths import format_path
+
+assert format_path(("model", "layers", 0, "kernel")) == "model.layers.0.kernel"
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Any, TypeAlias
+
+Path: TypeAlias = tuple[Hashable, ...]
+
+
+class PlanError(ValueError):
+    """A sharding plan does not fit the arguments it is applied to."""
+
+
+class StructureChangedError(RuntimeError):
+    """A lifted function changed its arguments in a way meshlift cannot carry back."""
+
+
+class TraceLeakError(RuntimeError):
+    """Writing back would put an outer transform's tracers into the caller's objects."""
+
+
+def format_path(path: Iterable[Hashable]) -> str:
+    """``("model", "layers", 0, "kernel")`` -> ``"model.layers.0.kernel"``."""
+    return ".".join(str(part) for part in path) or "<root>"
+
+
+def key_name(key: Any) -> str:
+    """A jax key path entry as a plain name: ``DictKey('w')`` -> ``'w'``."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def listing(paths: Iterable[str], limit: int = 3) -> str:
+    """Up to ``limit`` backquoted paths, then how many more."""
+    paths = list(paths)
+    shown = ", ".join(f"`{p}`" for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")

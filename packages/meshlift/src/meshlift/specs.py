@@ -1,0 +1,73 @@
+"""PartitionSpec checks: every reason a spec cannot shard an array on a mesh.
+
+Example:
+
+```python
+from jax.sharding import PartitionSpec as P
+from meshlift.specs import spec_problems
+
+assert spec_problems(P("data"), (8, 3), {"data": 2}) == []
+assert "not divisible" in spec_problems(P("data"), (7, 3), {"data": 2})[0]
+```
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+
+def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """``P(None, ("data", "model"))`` -> ``[(0, ()), (1, ("data", "model"))]``."""
+    out = []
+    for dim, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append((dim, ()))
+        elif isinstance(entry, str):
+            out.append((dim, (entry,)))
+        else:
+            out.append((dim, tuple(entry)))
+    return out
+
+
+def spec_problems(
+    spec: PartitionSpec,
+    shape: Sequence[int] | None,
+    mesh_shape: Mapping[str, int],
+    what: str = "sharding",
+) -> list[str]:
+    """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can.
+
+    With ``shape`` None (not known yet) only the mesh-axis checks apply.
+    """
+    problems = []
+    if shape is None:
+        shape = (0,) * len(spec)
+    if len(spec) > len(shape):
+        problems.append(
+            f"the spec has {len(spec)} entries but the array has rank {len(shape)}; "
+            f"use at most {len(shape)} entries"
+        )
+    seen: set[str] = set()
+    for dim, axes in spec_axes(spec):
+        for axis in axes:
+            if axis not in mesh_shape:
+                problems.append(
+                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); did you "
+                    f"forget to declare the mesh? Use one of its axis names or a mesh that has it"
+                )
+            elif axis in seen:
+                problems.append(
+                    f"mesh axis {axis!r} is used twice: a single {what} specification can map "
+                    f"every mesh axis to at most one positional dimension"
+                )
+            seen.add(axis)
+        size = math.prod(mesh_shape.get(axis, 1) for axis in axes)
+        if dim < len(shape) and axes and shape[dim] % size:
+            problems.append(
+                f"dimension {dim} (size {shape[dim]}) is not divisible by {size}, the size of "
+                f"mesh axes {axes}; pad the array or choose other axes"
+            )
+    return problems

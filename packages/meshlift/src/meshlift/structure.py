@@ -1,0 +1,251 @@
+"""Structure: what a compiled program depends on besides arrays, and noticing when it changes.
+
+``fingerprint`` is a compile key read from an object's contents, never its
+identity, so a fresh ``optax.adam(1e-3)`` reuses compiled code and a config
+object mutated in place does not. ``Watcher`` takes a snapshot of every
+mutable container reachable from a call's graph nodes (attribute dicts,
+lists, sets, slots, ``partial`` keywords, Variable metadata) and tells, cheaply
+and by identity, whether any of it was changed since.
+
+Example:
+
+```python
+import optax
+from meshlift.structure import fingerprint
+
+assert fingerprint(optax.adam(1e-3)) == fingerprint(optax.adam(1e-3))
+assert fingerprint(optax.adam(1e-3)) != fingerprint(optax.adam(1e-2))
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import operator
+import types
+from collections.abc import Hashable, Iterable
+from itertools import chain
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from flax.nnx import graphlib
+
+from meshlift import compat
+
+# Immutable values compared by value.
+_ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type, enum.Enum)
+# Not looked into: code, and flax's immutable mappings (replaced, never mutated).
+_OPAQUE = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    types.CodeType,
+    graphlib.HashableMapping,
+)
+
+
+def fingerprint(x: Any) -> Hashable:
+    """A hashable key, equal for objects with equal contents, independent of identity.
+
+    Functions compare by code and closed-over values; plain objects, slotted
+    objects and dataclasses by their fields; containers by their items (sets
+    as sets); objects with their own ``__eq__`` and ``__hash__`` as themselves.
+    """
+    return _fingerprint(x, set())
+
+
+def _fingerprint(x: Any, active: set[int]) -> Hashable:
+    if isinstance(x, _ATOMS):
+        return (type(x), x)
+    if id(x) in active:  # a cycle, e.g. a recursive closure
+        return ("cycle", type(x))
+    active.add(id(x))
+    try:
+        return _fingerprint_compound(x, active)
+    finally:
+        active.discard(id(x))
+
+
+def _cell_fingerprint(cell: types.CellType, active: set[int]) -> Hashable:
+    try:
+        return _fingerprint(cell.cell_contents, active)
+    except ValueError:  # a name the function uses but that is not assigned yet
+        return ("empty cell",)
+
+
+def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
+    fp = functools.partial(_fingerprint, active=active)
+    cls = type(x)
+    if isinstance(x, list | tuple):
+        return (cls, tuple(map(fp, x)), _fields(x, fp))
+    if isinstance(x, dict | graphlib.HashableMapping):
+        extra = fp(getattr(x, "default_factory", None))
+        return (cls, tuple((fp(k), fp(v)) for k, v in x.items()), extra)
+    if isinstance(x, set | frozenset):
+        return (cls, frozenset(map(fp, x)))
+    if isinstance(x, types.FunctionType):
+        cells = tuple(_cell_fingerprint(c, active) for c in x.__closure__ or ())
+        return (types.FunctionType, x.__code__, cells, fp(x.__defaults__), fp(x.__kwdefaults__))
+    if isinstance(x, functools.partial):
+        return (functools.partial, fp(x.func), fp(x.args), fp(x.keywords))
+    if isinstance(x, types.MethodType):
+        return (types.MethodType, fp(x.__func__), fp(x.__self__))
+    if isinstance(x, np.ndarray | np.generic):
+        return (cls, x.shape, str(x.dtype), np.asarray(x).tobytes())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (cls, tuple(fp(getattr(x, f.name, None)) for f in dataclasses.fields(x)))
+    if isinstance(x, _OPAQUE) or _has_value_equality(cls):
+        try:
+            hash(x)
+            return x
+        except TypeError:
+            pass
+    fields = _fields(x, fp)
+    if fields is not None:
+        return (cls, fields)
+    try:
+        hash(x)
+    except TypeError:
+        return _Identity(x)
+    return x
+
+
+def _fields(x: Any, fp: Any) -> Hashable | None:
+    """The contents of ``x``'s ``__dict__`` and slots, fingerprinted; None if it has neither."""
+    attributes = getattr(x, "__dict__", None)
+    names = _slot_names(type(x))
+    if not isinstance(attributes, dict) and not names:
+        return None
+    items = tuple((k, fp(v)) for k, v in (attributes or {}).items())
+    return items + tuple((name, fp(getattr(x, name, _MISSING))) for name in names)
+
+
+@functools.cache
+def _has_value_equality(cls: type) -> bool:
+    return cls.__eq__ is not object.__eq__ and cls.__hash__ is not None
+
+
+@functools.cache
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<unset slot>"
+
+
+_MISSING = _Missing()
+
+
+class _Identity:
+    """Compares by identity; keeps its object alive so the id is never reused.
+
+    The last resort for an unhashable object with no readable contents.
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class Watcher:
+    """A snapshot of the mutable containers that fix the structure of ``nodes``.
+
+    ``unchanged()`` is true while no attribute of any node was added, removed
+    or replaced, no watched dict, list, set or slot changed, and no Variable's
+    metadata changed: identity checks and a few equality checks, no traversal.
+    """
+
+    def __init__(self, nodes: Any):
+        slots = compat.variable_slots()
+        self._read_metadata = (
+            slots.read_metadata if slots is not None else operator.methodcaller("get_metadata")
+        )
+        self._dicts: list[dict] = []
+        self._sequences: list[Any] = []
+        self._sets: list[set] = []
+        self._slotted: list[tuple[Any, tuple[str, ...]]] = []
+        self._variables: list[Any] = []
+        self._watch(nodes, set())
+        self._sizes = self._lengths()
+        self._keys, self._values = self._contents()
+        self._set_copies = [frozenset(s) for s in self._sets]
+        self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
+
+    def unchanged(self) -> bool:
+        if self._lengths() != self._sizes:
+            return False
+        keys, values = self._contents()
+        # Keys are names, so equality is right (and fast); values must be the same objects.
+        if keys != self._keys or not all(map(operator.is_, values, self._values)):
+            return False
+        if any(frozenset(s) != copy for s, copy in zip(self._sets, self._set_copies, strict=True)):
+            return False
+        # Variable metadata holds plain data (names, specs, meshes): equal means same structure.
+        try:
+            return list(map(self._read_metadata, self._variables)) == self._metadata
+        except Exception:  # an array in the metadata compared elementwise: call it changed
+            return False
+
+    def _lengths(self) -> list[int]:
+        return [*map(len, self._dicts), *map(len, self._sequences), *map(len, self._sets)]
+
+    def _contents(self) -> tuple[list[Any], list[Any]]:
+        """The keys, and the values, of everything watched (lengths are checked apart)."""
+        values = list(chain.from_iterable(map(dict.values, self._dicts)))
+        values += chain.from_iterable(self._sequences)
+        for obj, names in self._slotted:
+            values += [getattr(obj, name, _MISSING) for name in names]
+        return list(chain.from_iterable(self._dicts)), values
+
+    def _watch(self, obj: Any, seen: set[int]) -> None:
+        if isinstance(obj, _ATOMS + _OPAQUE) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nnx.Variable):
+            self._variables.append(obj)  # its metadata is compared by value, see unchanged()
+            return
+        if hasattr(obj, "shape") and hasattr(obj, "dtype"):  # an array: data, not structure
+            return
+        children: Iterable[Any] = ()
+        if isinstance(obj, dict):
+            self._dicts.append(obj)
+            children = list(obj.values())
+        elif isinstance(obj, list):
+            self._sequences.append(obj)
+            children = list(obj)
+        elif isinstance(obj, set):
+            self._sets.append(obj)
+            children = list(obj)
+        elif isinstance(obj, tuple | frozenset):
+            children = obj
+        elif isinstance(obj, functools.partial):
+            children = (obj.func, obj.args, obj.keywords)
+        attributes = getattr(obj, "__dict__", None)
+        if isinstance(attributes, dict) and not isinstance(obj, type):
+            self._dicts.append(attributes)
+            children = chain(children, list(attributes.values()))
+        names = _slot_names(type(obj))
+        if names:
+            self._slotted.append((obj, names))
+            children = chain(children, [getattr(obj, n, _MISSING) for n in names])
+        for child in children:
+            self._watch(child, seen)
