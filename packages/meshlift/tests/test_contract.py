@@ -1,0 +1,210 @@
+"""The engine's correctness contract, each case against its reference (eager or nnx.jit).
+
+Static values changed in place between calls, where modules sit among the
+arguments, a failed first call with a plan, sow through a lifted method, and
+staging errors that name the backend.
+"""
+
+import collections
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import meshlift as ml
+
+
+class Cfg:
+    def __init__(self):
+        self.scale = 2.0
+
+
+class Slotted:
+    __slots__ = ("scale",)
+
+    def __init__(self):
+        self.scale = 2.0
+
+
+@dataclasses.dataclass(slots=True)
+class SlotsDataclass:
+    scale: float = 2.0
+
+
+class ScaleList(list):
+    pass
+
+
+def _set_attr(cfg, value):
+    cfg.scale = value
+
+
+def _set_item(cfg, value):
+    cfg["scale"] = value
+
+
+def _set_first(cfg, value):
+    cfg[0] = value
+
+
+def _replace_set(cfg, value):
+    cfg.clear()
+    cfg.add(value)
+
+
+def _set_keyword(cfg, value):
+    cfg.keywords["scale"] = value
+
+
+def _read_attr(cfg):
+    return cfg.scale
+
+
+def _read_item(cfg):
+    return cfg["scale"]
+
+
+def _read_first(cfg):
+    return cfg[0]
+
+
+def _read_set(cfg):
+    return next(iter(cfg))
+
+
+def _read_keyword(cfg):
+    return cfg.keywords["scale"]
+
+
+STATICS = {
+    "object": (Cfg, _set_attr, _read_attr),
+    "SimpleNamespace": (lambda: types.SimpleNamespace(scale=2.0), _set_attr, _read_attr),
+    "__slots__": (Slotted, _set_attr, _read_attr),
+    "dataclass(slots=True)": (SlotsDataclass, _set_attr, _read_attr),
+    "OrderedDict": (lambda: collections.OrderedDict(scale=2.0), _set_item, _read_item),
+    "defaultdict": (
+        lambda: collections.defaultdict(float, scale=2.0),
+        _set_item,
+        _read_item,
+    ),
+    "list subclass": (lambda: ScaleList([2.0]), _set_first, _read_first),
+    "set": (lambda: {2.0}, _replace_set, _read_set),
+    "partial.keywords": (lambda: functools.partial(max, scale=2.0), _set_keyword, _read_keyword),
+}
+
+
+@pytest.mark.parametrize("kind", list(STATICS))
+def test_static_value_changed_in_place_between_calls_retraces(kind):
+    make, change, read = STATICS[kind]
+
+    class Scaled(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+            self.cfg = make()
+
+        def __call__(self):
+            return self.w[...] * read(self.cfg)
+
+    model = Scaled()
+    forward = ml.jit(lambda m: m())
+    np.testing.assert_array_equal(forward(model), model())
+    change(model.cfg, 5.0)
+    np.testing.assert_array_equal(forward(model), model())  # eager is the reference: 5.0
+    np.testing.assert_array_equal(forward(model), np.full(3, 5.0))
+
+
+def test_module_position_among_the_arguments_is_part_of_the_layout():
+    lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    f = ml.jit(
+        lambda a, b: (a if isinstance(a, nnx.Module) else b)(b if isinstance(a, nnx.Module) else a)
+    )
+    np.testing.assert_allclose(f(lin, x), lin(x), atol=1e-6)
+    np.testing.assert_allclose(f(x, lin), lin(x), atol=1e-6)
+
+
+def test_failed_first_call_with_a_plan_leaves_the_callers_arrays_as_they_were():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    kernel = model.kernel.get_raw_value()
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+
+    def fails(m):
+        m.kernel[...] += 1
+        raise ValueError("raised inside")
+
+    with pytest.raises(ValueError, match="raised inside"):
+        ml.jit(fails, in_shardings=(plan,), mesh=mesh)(model)
+    assert model.kernel.get_raw_value() is kernel  # the very same array object
+
+
+def test_placement_happens_once_a_call_has_succeeded():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    ml.jit(lambda m: m(jnp.ones((1, 8))), in_shardings=(plan,), mesh=mesh)(model)
+    assert model.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_sow_through_a_lifted_method_is_carried_back_as_under_nnx_jit():
+    class Block(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.sow(nnx.Intermediate, "hidden", y)
+            return y
+
+    x = jnp.ones((1, 3))
+    model, reference = Block(), Block()
+    ml.jit(lambda m, x: m(x))(model, x)
+    nnx.jit(lambda m, x: m(x))(reference, x)
+    np.testing.assert_allclose(
+        model.hidden.get_value()[0], reference.hidden.get_value()[0], atol=1e-6
+    )
+
+
+def test_staging_error_names_the_backend_and_its_origin():
+    def stage(fn, spec):
+        raise RuntimeError("cannot stage this")
+
+    backend = ml.Backend(name="broken", stage=stage)
+    with pytest.raises(RuntimeError, match="cannot stage this") as info:
+        ml.transform(backend, lambda x: x)(jnp.ones(2))
+    assert "backend 'broken' (registered in this process)" in "\n".join(info.value.__notes__)
+
+
+def test_graph_node_given_as_a_spec_is_refused_when_lifting():
+    with pytest.raises(ml.PlanError, match="graph node, where specs go"):
+        ml.jit(lambda m: m, in_shardings=(nnx.Dict(a=P()),))
+
+
+def test_update_under_outer_grad_and_scan_raises_and_leaves_no_tracer():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    before = np.asarray(model.kernel[...])
+
+    def bump(m, x):
+        m.kernel[...] = m.kernel[...] + x
+        return jnp.sum(m.kernel[...])
+
+    step = ml.jit(bump)
+    with pytest.raises(ml.TraceLeakError, match=r"m\.kernel"):
+        jax.grad(lambda x: step(model, x))(1.0)
+    with pytest.raises(ml.TraceLeakError, match=r"m\.kernel"):
+        jax.lax.scan(lambda c, x: (c + step(model, x), None), 0.0, jnp.ones(2))
+    assert not isinstance(model.kernel.get_raw_value(), jax.core.Tracer)
+    np.testing.assert_array_equal(model.kernel[...], before)
+
+
+def test_read_only_function_under_an_outer_jit_works():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    forward = ml.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(jax.jit(lambda x: forward(model, x))(x), model(x), atol=1e-6)
