@@ -208,3 +208,24 @@ def test_read_only_function_under_an_outer_jit_works():
     x = jnp.ones((1, 2))
     forward = ml.jit(lambda m, x: m(x))
     np.testing.assert_allclose(jax.jit(lambda x: forward(model, x))(x), model(x), atol=1e-6)
+
+
+def test_capture_through_a_lifted_method_matches_nnx_jit():
+    def block(decorate):
+        class Block(nnx.Module):
+            def __init__(self):
+                self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+            @decorate
+            def __call__(self, x):
+                y = self.lin(x)
+                self.sow(nnx.Intermediate, "h", y)
+                return y
+
+        return Block()
+
+    x = jnp.ones((1, 3))
+    _, ours = nnx.capture(block(ml.jit), nnx.Intermediate)(x)
+    _, reference = nnx.capture(block(nnx.jit), nnx.Intermediate)(x)
+    assert jax.tree.structure(ours) == jax.tree.structure(reference)
+    np.testing.assert_allclose(ours["h"].get_value()[0], reference["h"].get_value()[0], atol=1e-6)

@@ -291,10 +291,11 @@ class PureFunction:
         )
         extra: list[Any] = []
         if update is None:
+            # A Variable holding a container (sow, capture, perturb) may be changed in place.
             changed = tuple(
                 i
                 for i, (new, old) in enumerate(zip(new_values, values, strict=True))
-                if new is not old or i in self.donated
+                if new is not old or i in self.donated or not hasattr(old, "shape")
             )
             var_out = tuple(
                 v if i in frozenset(changed) else None for i, v in enumerate(new_values)
