@@ -297,9 +297,8 @@ class PureFunction:
                 for i, (new, old) in enumerate(zip(new_values, values, strict=True))
                 if new is not old or i in self.donated or not hasattr(old, "shape")
             )
-            var_out = tuple(
-                v if i in frozenset(changed) else None for i, v in enumerate(new_values)
-            )
+            kept = frozenset(changed)
+            var_out = tuple(v if i in kept else None for i, v in enumerate(new_values))
         else:
             update.check_metadata(self.graphdef, self.names)
             var_list: list[Any] = [None] * len(values)
