@@ -3,7 +3,10 @@
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Pages of the site; the example packages under docs/examples/ are installed and tested
@@ -27,3 +30,14 @@ def test_page_runs(page):
     namespace: dict = {"__name__": f"__docs_{page.stem}__"}
     for i, block in enumerate(code):
         exec(compile(block, f"{page}:block{i}", "exec"), namespace)
+    _settle_runtime_tokens()
+
+
+def _settle_runtime_tokens():
+    """JAX re-raises a callback that failed on purpose (guide.md) at every effects
+    barrier and at exit, until a computation with callbacks succeeds on those devices."""
+    n = jax.device_count()
+    everywhere = jax.NamedSharding(jax.make_mesh((n,), ("all",)), P("all"))
+    quiet = jax.jit(lambda a: jax.debug.callback(lambda a: None, a, partitioned=True))
+    quiet(jax.device_put(jnp.zeros(n), everywhere))
+    jax.effects_barrier()

@@ -229,3 +229,75 @@ def test_capture_through_a_lifted_method_matches_nnx_jit():
     _, reference = nnx.capture(block(nnx.jit), nnx.Intermediate)(x)
     assert jax.tree.structure(ours) == jax.tree.structure(reference)
     np.testing.assert_allclose(ours["h"].get_value()[0], reference["h"].get_value()[0], atol=1e-6)
+
+
+class _Counted(nnx.Module):
+    def __init__(self, mesh):
+        sharding = None if mesh is None else jax.NamedSharding(mesh, P("data", "model"))
+        self.w = nnx.Param(jax.device_put(jnp.ones((8, 4)), sharding))
+        self.b = nnx.Param(jax.device_put(jnp.zeros((8, 4)), sharding))
+
+
+def _fails_on_the_host(m):
+    m.w[...] += 1
+    jax.debug.callback(lambda w: 1 / 0, m.w[...], partitioned=True)  # on every device
+    return m.w[...]
+
+
+def _what_the_caller_holds(model, before):
+    """Per Variable: kept (the same array), deleted, new, or poisoned (reading raises)."""
+    held = {}
+    for name, old in before.items():
+        array = getattr(model, name).get_raw_value()
+        if array is old:
+            held[name] = "deleted" if old.is_deleted() else "kept"
+            continue
+        try:
+            array.block_until_ready()
+            held[name] = "new"
+        except jax.errors.JaxRuntimeError:
+            held[name] = "poisoned"
+    return held
+
+
+def _call_and_hold(lifted, mesh):
+    model = _Counted(mesh)
+    before = {"w": model.w.get_raw_value(), "b": model.b.get_raw_value()}
+    try:
+        lifted(model)
+        raised = False
+    except jax.errors.JaxRuntimeError as error:
+        raised = ("".join(getattr(error, "__notes__", [])), True)
+    held = _what_the_caller_holds(model, before)
+    _settle_runtime_tokens()
+    return raised, held
+
+
+def _settle_runtime_tokens():
+    """JAX re-raises a failed callback at every effects barrier (and at exit) until a
+    computation with callbacks succeeds on the same devices: run one on all of them."""
+    n = jax.device_count()
+    everywhere = jax.NamedSharding(jax.make_mesh((n,), ("all",)), P("all"))
+    quiet = jax.jit(lambda a: jax.debug.callback(lambda a: None, a, partitioned=True))
+    quiet(jax.device_put(jnp.zeros(n), everywhere))
+    jax.effects_barrier()
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("on_mesh", [False, True], ids=["one-device", "mesh-2x4"])
+def test_error_after_dispatch_leaves_the_caller_what_nnx_jit_leaves(on_mesh, donate):
+    mesh = ml.make_mesh({"data": 2, "model": 4}) if on_mesh else None
+    options = {"donate_argnums": 0} if donate else {}
+    plan = {"in_shardings": (ml.StateSharding({...: P("data", "model")}),), "mesh": mesh}
+    ours = _call_and_hold(ml.jit(_fails_on_the_host, **options, **(plan if on_mesh else {})), mesh)
+    reference = _call_and_hold(nnx.jit(_fails_on_the_host, **options), mesh)
+    raised, held = ours
+    assert bool(raised) == bool(reference[0])
+    for name, state in held.items():  # as nnx.jit, or better: an untouched array is kept
+        assert state == reference[1][name] or (state, reference[1][name]) == ("kept", "poisoned")
+    if raised:  # the error surfaced at the call: nothing was written
+        assert held == {"w": "deleted", "b": "deleted"} if donate else {"w": "kept", "b": "kept"}
+        assert all(f"`m.{name}`" in raised[0] for name in "wb") is donate
+    else:  # it surfaced on the results: the written arrays carry it
+        assert held["w"] == "poisoned"
+        assert held["b"] == ("poisoned" if donate else "kept")

@@ -391,13 +391,18 @@ class _Layout:
         values = self.split.gather()
         placed = None if self.placed else _onto(values, self.var_shardings)
         try:
-            outputs = staged(*self.inputs(placed or values, call))
-        except ValueError:
-            moved = self._moved_inputs(placed or values, call)
-            if moved is None:
-                raise
-            placed, call = moved
-            outputs = staged(*self.inputs(placed, call))
+            try:
+                outputs = staged(*self.inputs(placed or values, call))
+            except ValueError:
+                moved = self._moved_inputs(placed or values, call)
+                if moved is None:
+                    raise
+                placed, call = moved
+                outputs = staged(*self.inputs(placed, call))
+        except Exception as error:
+            if self.donated:
+                self._note_consumed(error, values)
+            raise
         var_out, extra, user_out, aux = outputs
         info = aux.info
         index_map = self._write_back(info, values, placed, var_out, extra, call)
@@ -462,6 +467,17 @@ class _Layout:
                 f"model through the outer transform (nnx.jit, nnx.scan, nnx.grad, nnx.vmap, or "
                 f"nnx.split/nnx.merge around jax.jit) so its state flows through it, or call "
                 f"{self.lifted.fun_name} outside the transform."
+            )
+
+    def _note_consumed(self, error: Exception, values: Sequence[Any]) -> None:
+        """Name the caller's Variables whose donated arrays a failed call deleted."""
+        deleted = [i for i, v in enumerate(values) if _is_deleted(v)]
+        if deleted:
+            names = [format_path(self._variable_path(i)) for i in deleted]
+            error.add_note(
+                f"{self.lifted.fun_name} failed after its donated arrays were given to the "
+                f"computation: {listing(names)} now hold deleted arrays, as under jax.jit. "
+                f"Restore them (from a checkpoint or a copy) before using the model again."
             )
 
     def _variable_path(self, i: int) -> Path:
@@ -623,6 +639,10 @@ def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
     for i, value in zip(misplaced, moved, strict=True):
         placed[i] = value
     return placed
+
+
+def _is_deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
 
 
 def _abstract(x: Any) -> Any:
