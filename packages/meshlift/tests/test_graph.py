@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+import meshlift as ml
 from meshlift import compat
 from meshlift.graph import GraphSplit, Rebuilt, is_graph_leaf
 from meshlift.structure import fingerprint
@@ -314,6 +315,24 @@ def test_variable_metadata_change_is_detected():
     split = GraphSplit((model,))
     model.kernel.set_metadata(out_sharding=(None, "model"))
     assert not split.unchanged()
+
+
+def test_mutable_metadata_value_changed_in_place_is_detected():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    model.kernel.set_metadata(tags=["encoder"])
+    split = GraphSplit((model,))
+    model.kernel.tags.append("frozen")
+    assert not split.unchanged()
+
+
+def test_tracing_and_calling_leave_the_split_unchanged():
+    # flax's per-object trace state changes on every trace: it is not structure
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    split = GraphSplit((model,))
+    x = jnp.ones((1, 2))
+    ml.jit(lambda m: m(x))(model)
+    jax.grad(lambda m: m(x).sum())(model)
+    assert split.unchanged()
 
 
 @dataclasses.dataclass

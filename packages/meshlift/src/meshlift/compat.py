@@ -6,7 +6,9 @@ public API (slower, or less precise) for a version that lacks the private name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -43,6 +45,17 @@ def variable_slots() -> VariableSlots | None:
     return VariableSlots(read, write, read_metadata)
 
 
+@functools.cache
+def bookkeeping_types() -> tuple[type, ...]:
+    """Flax's per-object trace and init state: changes on every trace, never structure."""
+    found = []
+    for module, name in (("flax.nnx.pytreelib", "PytreeState"), ("flax.nnx.tracers", "TraceState")):
+        # a flax without it: such objects are watched like any other
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(importlib.import_module(module), name))
+    return tuple(found)
+
+
 def can_update(variable: Any) -> bool:
     """Whether ``variable`` may take a value of the current trace (flax's own check)."""
     check = getattr(variable, "_can_update", None)
@@ -54,15 +67,19 @@ def can_update(variable: Any) -> bool:
 def concrete_mesh() -> Any:
     """The mesh of ``jax.set_mesh`` / ``ml.use_mesh``, also inside traces; None if unset."""
     try:
-        from jax._src.mesh import get_concrete_mesh
-    except ImportError:  # public reader: refuses inside traces on jax 0.10
-        try:
-            mesh = jax.sharding.get_mesh()
-        except Exception:
-            return None
-    else:
-        mesh = get_concrete_mesh()
+        mesh = _mesh_reader()()
+    except Exception:  # the public reader refuses inside traces on jax 0.10
+        return None
     return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+@functools.cache
+def _mesh_reader() -> Callable[[], Any]:
+    try:
+        from jax._src.mesh import get_concrete_mesh
+    except ImportError:
+        return jax.sharding.get_mesh
+    return get_concrete_mesh
 
 
 def legacy_mesh() -> Any:

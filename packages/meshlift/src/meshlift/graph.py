@@ -27,6 +27,7 @@ split.scatter(range(len(arrays)), arrays)
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Iterable, Sequence
@@ -129,14 +130,9 @@ class GraphSplit:
 
     def scatter(self, positions: Iterable[int], values: Iterable[Any]) -> None:
         """Write each value into the Variable at its split position (validated by the caller)."""
-        leaves = self.leaves
-        if self.fast:
-            write = self._slots.write
-            for i, value in zip(positions, values, strict=True):
-                write(leaves[i], value)
-            return
-        for i, value in zip(positions, values, strict=True):
-            leaves[i].set_raw_value(value)
+        targets = map(self.leaves.__getitem__, positions)
+        write = self._slots.write if self.fast else _set_raw_value
+        collections.deque(map(write, targets, values), maxlen=0)  # no Python loop
 
     def nodes(self) -> tuple[Any, ...] | None:
         """The caller's top-level nodes, or None if one of them was dropped."""
@@ -150,6 +146,10 @@ class GraphSplit:
             (i, n) for i, n in zip(self._top_index, nodes, strict=True) if i is not None
         )
         return index_map
+
+
+def _set_raw_value(variable: Any, value: Any) -> None:
+    variable.set_raw_value(value)
 
 
 def _weak(node: Any) -> Any:

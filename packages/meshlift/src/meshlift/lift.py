@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -227,6 +228,7 @@ class _TraceInfo:
 
     def __init__(self, changed: tuple[int, ...], update: GraphUpdate | None, outputs: OutputNodes):
         self.changed = changed  # split positions of Variables with new values
+        self.pick_changed = _picker(changed)  # their values out of the staged output
         self.update = update  # a new graph for the arguments' nodes, if more than values changed
         self.outputs = outputs  # graph nodes in the output
 
@@ -438,14 +440,16 @@ class _Layout:
                 leaves.append(next(extras) if source is None else var_out[source])
             self._check_no_leak(leaves, range(len(split.leaves)))
             return info.update.apply(leaves, split.index_map(call.nodes))
-        writes = dict.fromkeys(info.changed)
-        if placed is not None:
+        if placed is None:
+            positions, new = info.changed, info.pick_changed(var_out)
+        else:
+            writes = dict.fromkeys(info.changed)
             writes.update(
                 (i, None) for i, (a, b) in enumerate(zip(placed, values, strict=True)) if a is not b
             )
-        positions = list(writes)
-        changed = frozenset(info.changed)
-        new = [var_out[i] if i in changed else placed[i] for i in positions]  # type: ignore[index]
+            positions = tuple(writes)
+            changed = frozenset(info.changed)
+            new = tuple(var_out[i] if i in changed else placed[i] for i in positions)
         self._check_no_leak(new, positions)
         split.scatter(positions, new)
         return split.index_map(call.nodes) if info.outputs.graphdefs else None
@@ -604,6 +608,13 @@ def _checked_specs(specs: Any, what: str) -> Any:
             f"StateSharding (or an nnx.State / nested dict of PartitionSpecs) instead"
         )
     return specs
+
+
+def _picker(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function taking the items at ``positions`` out of a sequence, as a tuple."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda items: tuple(items[i] for i in positions)
 
 
 def _updatable(variable: Any) -> bool:

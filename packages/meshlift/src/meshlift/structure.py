@@ -184,6 +184,7 @@ class Watcher:
         self._sets: list[set] = []
         self._slotted: list[tuple[Any, tuple[str, ...]]] = []
         self._variables: list[Any] = []
+        self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
         self._sizes = self._lengths()
         self._keys, self._values = self._contents()
@@ -199,7 +200,8 @@ class Watcher:
             return False
         if any(frozenset(s) != copy for s, copy in zip(self._sets, self._set_copies, strict=True)):
             return False
-        # Variable metadata holds plain data (names, specs, meshes): equal means same structure.
+        # Metadata values are plain data (names, specs, meshes), read afresh from each
+        # Variable: equal means the same structure. Mutable ones are watched as well.
         try:
             return list(map(self._read_metadata, self._variables)) == self._metadata
         except Exception:  # an array in the metadata compared elementwise: call it changed
@@ -217,11 +219,13 @@ class Watcher:
         return list(chain.from_iterable(self._dicts)), values
 
     def _watch(self, obj: Any, seen: set[int]) -> None:
-        if isinstance(obj, _ATOMS + _OPAQUE) or id(obj) in seen:
+        if isinstance(obj, self._skip) or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, nnx.Variable):
             self._variables.append(obj)  # its metadata is compared by value, see unchanged()
+            for value in self._read_metadata(obj).values():
+                self._watch(value, seen)
             return
         if hasattr(obj, "shape") and hasattr(obj, "dtype"):  # an array: data, not structure
             return
