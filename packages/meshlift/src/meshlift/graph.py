@@ -27,7 +27,6 @@ split.scatter(range(len(arrays)), arrays)
 
 from __future__ import annotations
 
-import collections
 import functools
 import weakref
 from collections.abc import Iterable, Sequence
@@ -130,9 +129,10 @@ class GraphSplit:
 
     def scatter(self, positions: Iterable[int], values: Iterable[Any]) -> None:
         """Write each value into the Variable at its split position (validated by the caller)."""
-        targets = map(self.leaves.__getitem__, positions)
+        leaves = self.leaves
         write = self._slots.write if self.fast else _set_raw_value
-        collections.deque(map(write, targets, values), maxlen=0)  # no Python loop
+        for i, value in zip(positions, values, strict=True):
+            write(leaves[i], value)
 
     def nodes(self) -> tuple[Any, ...] | None:
         """The caller's top-level nodes, or None if one of them was dropped."""

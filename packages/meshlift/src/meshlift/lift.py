@@ -129,10 +129,11 @@ class Lifted:
         """
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
-        nodes = tuple((i, leaf) for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
+        positions = tuple(i for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
+        nodes = tuple(map(leaves.__getitem__, positions))
         mesh = self._call_site_mesh() if mesh is None else mesh
-        key = (treedef, statics, tuple((i, id(node)) for i, node in nodes), mesh)
-        call = _Call(leaves, tuple(node for _, node in nodes))
+        key = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
+        call = _Call(leaves, nodes)
         layout = self._layouts.get(key)
         if layout is None or not layout.split.unchanged():
             layout = _Layout(self, args, kwargs, call, treedef, statics, mesh)
@@ -456,7 +457,7 @@ class _Layout:
 
     def _check_no_leak(self, new: Sequence[Any], positions: Iterable[int]) -> None:
         """Refuse to put an outer transform's tracers into Variables that live outside it."""
-        if not any(isinstance(v, jax.core.Tracer) for v in new[:1]):
+        if not new or not isinstance(new[0], jax.core.Tracer):  # all of one trace, or none
             return
         split = self.split
         outside = [

@@ -186,6 +186,7 @@ class Watcher:
         self._variables: list[Any] = []
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
+        self._sized = [*self._dicts, *self._sequences, *self._sets]
         self._sizes = self._lengths()
         self._keys, self._values = self._contents()
         self._set_copies = [frozenset(s) for s in self._sets]
@@ -198,7 +199,9 @@ class Watcher:
         # Keys are names, so equality is right (and fast); values must be the same objects.
         if keys != self._keys or not all(map(operator.is_, values, self._values)):
             return False
-        if any(frozenset(s) != copy for s, copy in zip(self._sets, self._set_copies, strict=True)):
+        if self._sets and any(
+            frozenset(s) != copy for s, copy in zip(self._sets, self._set_copies, strict=True)
+        ):
             return False
         # Metadata values are plain data (names, specs, meshes), read afresh from each
         # Variable: equal means the same structure. Mutable ones are watched as well.
@@ -208,14 +211,14 @@ class Watcher:
             return False
 
     def _lengths(self) -> list[int]:
-        return [*map(len, self._dicts), *map(len, self._sequences), *map(len, self._sets)]
+        return list(map(len, self._sized))
 
     def _contents(self) -> tuple[list[Any], list[Any]]:
         """The keys, and the values, of everything watched (lengths are checked apart)."""
         values = list(chain.from_iterable(map(dict.values, self._dicts)))
         values += chain.from_iterable(self._sequences)
         for obj, names in self._slotted:
-            values += [getattr(obj, name, _MISSING) for name in names]
+            values += (getattr(obj, name, _MISSING) for name in names)
         return list(chain.from_iterable(self._dicts)), values
 
     def _watch(self, obj: Any, seen: set[int]) -> None:
