@@ -2,6 +2,7 @@
 
     python -m nox -s tests        # everything CI runs (the default)
     python -m nox -s tests-core   # one package's unit tests; also: nox -t core
+    python -m nox -s tests-tree-mode   # core and jit suites under flax's tree mode
     python -m nox -s tests-jit -- -k donate -x   # arguments after -- go to pytest
     python -m nox -s lint bench demo
 
@@ -36,10 +37,30 @@ def run_pytest(session: nox.Session, *paths: str) -> None:
     session.run("pytest", *paths, *session.posargs, env=XLA_ENV)
 
 
+# flax's tree mode switched on globally, as a user (or a later flax) may do: meshlift must
+# keep graph-mode semantics regardless.
+TREE_MODE_ENV = XLA_ENV | {"NNX_GRAPH_MODE": "false"}
+TREE_MODE_SUITES = [f"{PACKAGES['core']}/tests", f"{PACKAGES['jit']}/tests"]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: every package's unit tests and the integration suite."""
+    """Everything CI runs: every package's unit tests, the integration suite, tree mode."""
     run_pytest(session, *(f"{path}/tests" for path in PACKAGES.values()), "integration_tests")
+    run_tree_mode(session)
+
+
+@nox.session(name="tests-tree-mode", tags=["tree-mode"])
+def tests_tree_mode(session: nox.Session) -> None:
+    """The core and jit suites with flax's tree mode on (NNX_GRAPH_MODE=false)."""
+    install(session, "pytest")
+    run_tree_mode(session)
+
+
+def run_tree_mode(session: nox.Session) -> None:
+    check = "import flax; assert not flax.config.nnx_graph_mode, 'tree mode is not on'"
+    session.run("python", "-c", check, env=TREE_MODE_ENV)
+    session.run("pytest", *TREE_MODE_SUITES, *session.posargs, env=TREE_MODE_ENV)
 
 
 def package_tests(name: str, path: str) -> None:

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.testing.models import graph_mode_jit
 
 
 class Cfg:
@@ -165,7 +166,7 @@ def test_sow_through_a_lifted_method_is_carried_back_as_under_nnx_jit():
     x = jnp.ones((1, 3))
     model, reference = Block(), Block()
     ml.jit(lambda m, x: m(x))(model, x)
-    nnx.jit(lambda m, x: m(x))(reference, x)
+    graph_mode_jit(lambda m, x: m(x))(reference, x)
     np.testing.assert_allclose(
         model.hidden.get_value()[0], reference.hidden.get_value()[0], atol=1e-6
     )
@@ -290,7 +291,7 @@ def test_error_after_dispatch_leaves_the_caller_what_nnx_jit_leaves(on_mesh, don
     options = {"donate_argnums": 0} if donate else {}
     plan = {"in_shardings": (ml.StateSharding({...: P("data", "model")}),), "mesh": mesh}
     ours = _call_and_hold(ml.jit(_fails_on_the_host, **options, **(plan if on_mesh else {})), mesh)
-    reference = _call_and_hold(nnx.jit(_fails_on_the_host, **options), mesh)
+    reference = _call_and_hold(graph_mode_jit(_fails_on_the_host, **options), mesh)
     raised, held = ours
     assert bool(raised) == bool(reference[0])
     for name, state in held.items():  # as nnx.jit, or better: an untouched array is kept

@@ -240,7 +240,7 @@ class TestConformance:
             if how == "eager":
                 swap(model)
             elif how == "nnx.jit":
-                nnx.jit(swap)(model)
+                M.graph_mode_jit(swap)(model)
             else:
                 lift(meshlift_backend, swap, meshlift_mesh, (M.REPLICATED,), None)(model)
             results[how] = (model.linear1 is second, model.linear2 is first)
@@ -263,7 +263,7 @@ class TestConformance:
 
         lift(meshlift_backend, grow, meshlift_mesh, (M.REPLICATED,), None)(model)
         reference = M.make_mlp()[0]
-        nnx.jit(grow)(reference)
+        M.graph_mode_jit(grow)(reference)
         np.testing.assert_array_equal(model.extra[...], reference.extra[...])
         np.testing.assert_array_equal(model.linear1.kernel[...], reference.linear1.kernel[...])
         np.testing.assert_allclose(model.linear2.kernel[...], reference.linear2.kernel[...])
@@ -295,7 +295,7 @@ class TestConformance:
             m.linear1.kernel[...] = m.linear1.kernel[...] + 1.0
 
         step = lift(meshlift_backend, bump, meshlift_mesh, (M.REPLICATED,), None)
-        nnx.jit(lambda m: step(m))(model)
+        M.graph_mode_jit(lambda m: step(m))(model)
         np.testing.assert_allclose(model.linear1.kernel[...], expected, atol=M.TOLERANCE)
 
     # -- write-back is all or nothing -----------------------------------------------------------
@@ -313,7 +313,7 @@ class TestConformance:
 
         model, reference = Counter(), Counter()
         lift(meshlift_backend, bump, meshlift_mesh, (M.REPLICATED,), None)(model)
-        nnx.jit(bump)(reference)
+        M.graph_mode_jit(bump)(reference)
         np.testing.assert_array_equal(model.a[...], reference.a[...])
         np.testing.assert_array_equal(model.z, reference.z)
 
