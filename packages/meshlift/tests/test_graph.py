@@ -7,6 +7,8 @@ selected by a flax without the private slots (``compat.variable_slots`` gives No
 
 import dataclasses
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +81,20 @@ def test_fast_path_is_on_where_flax_has_the_slots_and_off_for_arrays_on_modules(
             self.raw = nnx.data(jnp.zeros(3))
 
     assert GraphSplit((Raw(),)).fast is False
+
+
+def test_import_survives_a_flax_without_the_private_slots():
+    # As if a later flax renamed Variable's slots: meshlift imports, and the probe says no.
+    code = (
+        "from flax import nnx\n"
+        "delattr(nnx.Variable, '_raw_value')\n"
+        "import meshlift as ml\n"
+        "from meshlift import compat\n"
+        "assert compat.variable_slots() is None\n"
+        "assert ml.jit is not None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_gather_returns_each_variables_array_in_split_order(path_kind):
