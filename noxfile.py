@@ -3,6 +3,7 @@
     python -m nox -s tests        # everything CI runs (the default)
     python -m nox -s tests-core   # one package's unit tests; also: nox -t core
     python -m nox -s tests-tree-mode   # core and jit suites under flax's tree mode
+    python -m nox -s "compat(jax='0.12')"   # the whole suite on Python 3.12, jax 0.12
     python -m nox -s tests-jit -- -k donate -x   # arguments after -- go to pytest
     python -m nox -s lint bench demo
 
@@ -61,6 +62,31 @@ def run_tree_mode(session: nox.Session) -> None:
     check = "import flax; assert not flax.config.nnx_graph_mode, 'tree mode is not on'"
     session.run("python", "-c", check, env=TREE_MODE_ENV)
     session.run("pytest", *TREE_MODE_SUITES, *session.posargs, env=TREE_MODE_ENV)
+
+
+# (python, jax) pairs, each with its exact pins; the default pair is what `tests` runs.
+# Each Python is found on PATH (with pyenv: `pyenv global 3.11.7 3.12.1`).
+COMPAT = {
+    "0.10": ("3.11", "constraints.txt"),  # jax 0.10.2, flax 0.12.8
+    "0.12": ("3.12", "constraints-jax0.12.txt"),  # jax 0.12.0.1, flax 0.12.12
+}
+
+
+@nox.session
+@nox.parametrize(
+    ("python", "jax"),
+    [nox.param(py, jax, id=f"jax='{jax}'", tags=[f"jax{jax}"]) for jax, (py, _) in COMPAT.items()],
+)
+def compat(session: nox.Session, jax: str) -> None:
+    """The whole suite on one (python, jax, flax) set: nox -s "compat(jax='0.12')"."""
+    constraints = COMPAT[jax][1]
+    editables = [arg for path in PACKAGES.values() for arg in ("-e", path)]
+    session.install("-c", constraints, *editables, "pytest")
+    session.run(
+        "python", "-c", "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
+    )
+    paths = [f"{path}/tests" for path in PACKAGES.values()]
+    session.run("pytest", *paths, "integration_tests", *session.posargs, env=XLA_ENV)
 
 
 def package_tests(name: str, path: str) -> None:
