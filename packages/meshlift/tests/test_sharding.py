@@ -235,6 +235,26 @@ def test_from_state_with_an_nnx_state_of_specs(net):
     assert plan.spec_for(("linear", "bias"), net.linear.bias) == P()
 
 
+@pytest.mark.parametrize("wrap", [nnx.State, dict], ids=["nnx.State", "nested dict"])
+def test_the_constructor_takes_specs_shaped_like_the_model_as_flax_does(net, mesh, wrap):
+    specs = {"linear": {"kernel": P(None, "model"), "bias": P("model")}, "layers": P()}
+    specs |= {"norm": P("data"), "rngs": P()}
+    plan = ml.StateSharding(wrap(specs))
+    assert plan.spec_for(("linear", "kernel"), net.linear.kernel) == P(None, "model")
+    assert plan.spec_for(("layers", 1, "bias"), net.layers[1].bias) == P()
+    assert plan.spec_for(("norm", "mean"), net.norm.mean) == P("data")
+    model = Net()
+    ml.jit(lambda m: None, in_shardings=(plan,), mesh=mesh)(model)
+    assert model.linear.kernel[...].sharding.spec == P(None, "model")  # placed by the plan
+    assert model.norm.mean[...].sharding.spec == P("data")
+
+
+def test_a_string_filter_that_matches_nothing_says_it_is_a_tag(net):
+    plan = ml.StateSharding({"kernel": P(None, "model")})
+    with pytest.raises(PlanError, match=r"`linear\.kernel`.*matches a Variable's tag"):
+        plan.spec_for(("linear", "kernel"), net.linear.kernel)
+
+
 def test_from_state_of_a_models_partition_specs(mesh):
     with ml.use_mesh(mesh):
         init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))

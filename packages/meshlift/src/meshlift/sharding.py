@@ -91,6 +91,34 @@ def is_spec(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec | Sharding | StateSharding)
 
 
+def _shaped_like_a_model(rules: Any) -> bool:
+    """An ``nnx.State``, or a mapping with a mapping among its values: specs by path."""
+    if isinstance(rules, nnx.State):
+        return True
+    return (
+        isinstance(rules, Mapping)
+        and not isinstance(rules, StateSharding)
+        and any(isinstance(v, Mapping) for v in rules.values())
+    )
+
+
+def _path_rules(specs: Mapping[Any, Any]) -> list[tuple[Any, Spec]]:
+    """``(path prefix filter, spec)`` pairs of a nested mapping of specs, deepest first."""
+    flat: list[tuple[Path, Spec]] = []
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, Mapping) and not isinstance(node, StateSharding):
+            for key, child in node.items():
+                walk(child, (*path, key))
+        else:
+            value = node.get_raw_value() if isinstance(node, nnx.Variable) else node
+            flat.append((path, value))
+
+    walk(specs, ())
+    flat.sort(key=lambda item: -len(item[0]))
+    return [(_PathPrefix(path), spec) for path, spec in flat]
+
+
 class StateSharding:
     """Ordered ``filter -> spec`` pairs; the first filter that matches a parameter wins.
 
@@ -112,7 +140,9 @@ class StateSharding:
     plan with ``...: P()`` to replicate the rest.
     """
 
-    def __init__(self, rules: Mapping[Any, Spec] | Iterable[tuple[Any, Spec]]):
+    def __init__(self, rules: Mapping[Any, Any] | Iterable[tuple[Any, Spec]]):
+        if _shaped_like_a_model(rules):  # flax's StateSharding(nnx.State({...specs...}))
+            rules = _path_rules(rules)  # type: ignore[arg-type]
         pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
         self.rules: tuple[tuple[Any, Callable[..., bool], Spec], ...] = tuple(
             (filter_, nnx.filterlib.to_predicate(filter_), _check_spec_type(spec, filter_))
@@ -124,6 +154,8 @@ class StateSharding:
         """A plan from an ``nnx.State`` or nested mapping of specs, shaped like the model.
 
         A spec at an inner node applies to every parameter below it; deeper entries win.
+        ``StateSharding(specs)`` does the same for an ``nnx.State`` or a nested mapping
+        (as flax's ``nnx.StateSharding(state)``); ``from_state`` also takes a flat one.
 
         Example::
 
@@ -131,19 +163,7 @@ class StateSharding:
                                                             "bias": P("model")},
                                                 "linear2": P()})
         """
-        flat: list[tuple[Path, Spec]] = []
-
-        def walk(node: Any, path: Path) -> None:
-            if isinstance(node, Mapping) and not isinstance(node, StateSharding):
-                for key, child in node.items():
-                    walk(child, (*path, key))
-            else:
-                value = node.get_raw_value() if isinstance(node, nnx.Variable) else node
-                flat.append((path, value))
-
-        walk(specs, ())
-        flat.sort(key=lambda item: -len(item[0]))
-        return cls([(_PathPrefix(path), spec) for path, spec in flat])
+        return cls(_path_rules(specs))
 
     @classmethod
     def from_metadata(
@@ -179,11 +199,18 @@ class StateSharding:
         for _, predicate, spec in self.rules:
             if predicate(path, value):
                 return spec
+        hint = ""
+        if any(isinstance(f, str) for f, _, _ in self.rules):
+            hint = (
+                " A string filter matches a Variable's tag, not its name: to give specs "
+                "by path, nest them like the model ({'linear1': {'kernel': P(...)}}) or "
+                "use StateSharding.from_state."
+            )
         raise PlanError(
             f"no filter of the plan matches `{format_path(path)}` "
             f"({type(value).__name__}, shape {value_shape(value)}); the plan's filters are "
             f"{[f for f, _, _ in self.rules]}. Add a rule for it, or end the plan with "
-            f"`...: P()` to replicate everything not listed."
+            f"`...: P()` to replicate everything not listed.{hint}"
         )
 
     def __repr__(self) -> str:
