@@ -156,7 +156,7 @@ def multiprocess(session: nox.Session) -> None:
 
 
 # A backend published outside meshlift: meshlift neither imports nor lists it.
-THIRD_PARTY = "docs/examples/meshlift-checkpoint"
+THIRD_PARTY = "docs/examples/meshlift-remat"
 
 
 @nox.session(name="third-party", tags=["third-party"])
@@ -165,12 +165,12 @@ def third_party(session: nox.Session) -> None:
     session.install("-c", "constraints.txt", "-e", PACKAGES["core"], "-e", THIRD_PARTY, "pytest")
     listing = json.loads(session.run("meshlift", "backends", "--json", silent=True, stderr=None))
     names = [backend["name"] for backend in listing["backends"]]
-    if names != ["checkpoint"] or listing["errors"]:
+    if names != ["remat"] or listing["errors"]:
         session.error(
-            f"`meshlift backends` should list only the example backend `checkpoint`, with no "
+            f"`meshlift backends` should list only the example backend `remat`, with no "
             f"load errors; it lists {names}, errors {listing['errors']}"
         )
-    # The conformance kit against everything installed: here, only `checkpoint`.
+    # The conformance kit against everything installed: here, only `remat`.
     session.run(
         "pytest", "-p", "meshlift.testing", "--pyargs", "meshlift.testing.suite", env=XLA_ENV
     )

@@ -559,7 +559,7 @@ DISTRIBUTIONS = [
     "plugins/meshlift-jit",
     "plugins/meshlift-shard-map",
     "plugins/meshlift-pjit",
-    "docs/examples/meshlift-checkpoint",
+    "docs/examples/meshlift-remat",
 ]
 
 

@@ -1,8 +1,8 @@
-"""What is particular to the checkpoint backend: found by entry point, remat, policy option."""
+"""What is particular to the remat backend: found by entry point, remat, policy option."""
 
 import jax
 import jax.numpy as jnp
-import meshlift_checkpoint
+import meshlift_remat
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,9 +17,9 @@ def mesh():
 
 
 def test_registered_from_its_entry_point_with_its_distribution():
-    assert ml.get_backend("checkpoint") is not None
-    [info] = [b for b in ml.backends() if b.name == "checkpoint"]
-    assert info.distribution == "meshlift-checkpoint"
+    assert ml.get_backend("remat") is not None
+    [info] = [b for b in ml.backends() if b.name == "remat"]
+    assert info.distribution == "meshlift-remat"
     assert "global-rng" in info.capabilities
 
 
@@ -27,7 +27,7 @@ def test_gradient_through_the_lifted_function_is_rematerialized(mesh):
     model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (8, 16))
     forward = ml.transform(
-        "checkpoint",
+        "remat",
         lambda m, x: jnp.sin(m(x)),
         mesh=mesh,
         in_specs=(P(), P("data")),
@@ -43,9 +43,9 @@ def test_gradient_through_the_lifted_function_is_rematerialized(mesh):
 
 def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ValueError, match="nothing_saveable"):
-        ml.transform("checkpoint", lambda x: x, policy="no_such_policy")(jnp.ones(2))
+        ml.transform("remat", lambda x: x, policy="no_such_policy")(jnp.ones(2))
 
 
 def test_the_backend_object_works_unregistered():
-    f = ml.transform(meshlift_checkpoint.BACKEND, lambda x: x * 2)
+    f = ml.transform(meshlift_remat.BACKEND, lambda x: x * 2)
     np.testing.assert_array_equal(f(jnp.arange(3.0)), [0.0, 2.0, 4.0])

@@ -12,7 +12,7 @@ Example::
 
     import meshlift as ml
 
-    forward = ml.transform("checkpoint", lambda model, x: model(x), mesh=mesh,
+    forward = ml.transform("remat", lambda model, x: model(x), mesh=mesh,
                            in_specs=(plan, P("data")), out_specs=P("data"),
                            policy="nothing_saveable")
 """
@@ -60,7 +60,7 @@ def _policy(name: str) -> Callable[..., Any]:
 
 
 BACKEND = ml.Backend(
-    name="checkpoint",
+    name="remat",
     stage=stage,
     # jax.jit underneath: the function sees global arrays and draws random numbers
     # globally; jax.jit's stages and donation carry over.

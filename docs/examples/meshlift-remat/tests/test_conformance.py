@@ -3,4 +3,4 @@
 from meshlift.testing import TestConformance  # noqa: F401
 
 pytest_plugins = ["meshlift.testing"]
-meshlift_backends = ["checkpoint"]
+meshlift_backends = ["remat"]
