@@ -302,3 +302,84 @@ def test_error_after_dispatch_leaves_the_caller_what_nnx_jit_leaves(on_mesh, don
     else:  # it surfaced on the results: the written arrays carry it
         assert held["w"] == "poisoned"
         assert held["b"] == ("poisoned" if donate else "kept")
+
+
+class _Counted2(nnx.Module):
+    """A counter that does not depend on the input, a weight that does, an array on the module."""
+
+    def __init__(self):
+        self.count = nnx.BatchStat(jnp.zeros(()))
+        self.w = nnx.Param(jnp.ones(8))
+        self.z = nnx.data(jnp.ones(8))
+
+
+def _step_with_counter(m, x):
+    m.count[...] += 1  # concrete under an outer grad: only w's value is a tracer
+    m.w[...] = m.w[...] * x
+    return m.w[...].sum()
+
+
+def _step_on_data(m, x):
+    m.z = m.z * x
+    return m.z.sum()
+
+
+@pytest.mark.parametrize("outer", ["grad", "vmap"])
+@pytest.mark.parametrize("step", [_step_with_counter, _step_on_data], ids=["mixed", "nnx.data"])
+def test_outer_transform_with_some_values_traced_writes_no_tracer(outer, step):
+    model = _Counted2()
+    before = {name: getattr(model, name) for name in ("count", "w", "z")}
+    before = {k: v.get_raw_value() if isinstance(v, nnx.Variable) else v for k, v in before.items()}
+    lifted = ml.jit(step)
+    with pytest.raises(ml.TraceLeakError, match=r"`m\.(w|z)`"):
+        if outer == "grad":
+            jax.grad(lambda x: lifted(model, x))(2.0)
+        else:
+            jax.vmap(lambda x: lifted(model, x))(jnp.arange(2.0))
+    assert model.count.get_raw_value() is before["count"]  # nothing written
+    assert model.w.get_raw_value() is before["w"]
+    assert model.z is before["z"]
+
+
+@pytest.mark.parametrize("how", ["donated", "placed by a plan"])
+def test_array_stored_on_a_module_is_written_back_as_under_nnx_jit(how):
+    def step(m):
+        m.w[...] += 1
+        return m.w[...].sum() + m.z.sum()
+
+    if how == "donated":
+        ours, options = ml.jit(step, donate_argnums=0), {"donate_argnums": 0}
+    else:
+        plan = ml.StateSharding({ml.path_endswith("z"): P("data"), ...: P()})
+        mesh = ml.make_mesh({"data": 8})
+        ours, options = ml.jit(step, in_shardings=(plan,), mesh=mesh), {}
+    model, reference = _Counted2(), _Counted2()
+    for _ in range(2):
+        np.testing.assert_array_equal(ours(model), graph_mode_jit(step, **options)(reference))
+    for name in ("w", "z"):
+        mine, theirs = getattr(model, name), getattr(reference, name)
+        np.testing.assert_array_equal(
+            mine.get_raw_value() if name == "w" else mine,
+            theirs.get_raw_value() if name == "w" else theirs,
+        )
+    assert not model.z.is_deleted()
+    if how == "placed by a plan":
+        assert model.z.sharding.spec == P("data")
+
+
+def test_output_plan_with_a_module_added_inside_is_resolved():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+
+    def grow(m):
+        m.extra = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+        return m.extra
+
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    model, reference = nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    lifted = ml.jit(grow, out_shardings=plan, mesh=mesh)
+    abstract = lifted.eval_shape(model)
+    assert abstract.kernel.get_value().shape == (8, 8)
+    out = lifted(model)
+    expected = grow(reference)  # eager is the reference
+    assert out is model.extra
+    np.testing.assert_array_equal(out.kernel[...], expected.kernel[...])

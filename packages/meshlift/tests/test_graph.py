@@ -136,7 +136,7 @@ def test_tied_variable_appears_once(path_kind):
     (array,) = split.gather()
     np.testing.assert_array_equal(array, [0.0, 1.0, 2.0])
 
-    split.scatter([0], [jnp.full(3, 9.0)])
+    split.scatter([0], [jnp.full(3, 9.0)], (model,))
     assert model.b is model.a
     np.testing.assert_array_equal(model.b[...], np.full(3, 9.0))
 
@@ -175,7 +175,9 @@ def test_scatter_writes_into_the_callers_variables(path_kind):
     kernel, bias, step = model.linear.kernel, model.linear.bias, opt.step
     old_bias = bias[...]
     values = [jnp.full((2, 4), 3.0), jnp.array(11, dtype=jnp.uint32)]
-    split.scatter([index(split, 0, "linear", "kernel"), index(split, 1, "step")], values)
+    split.scatter(
+        [index(split, 0, "linear", "kernel"), index(split, 1, "step")], values, (model, opt)
+    )
 
     assert model.linear.kernel is kernel and opt.step is step and model.linear.bias is bias
     np.testing.assert_array_equal(model.linear.kernel[...], np.full((2, 4), 3.0))
@@ -188,7 +190,7 @@ def test_gather_then_scatter_round_trips(path_kind):
     model, opt = model_and_optimizer()
     split = make_split((model, opt), path_kind)
     doubled = [a * 2 for a in split.gather()]
-    split.scatter(range(len(doubled)), doubled)
+    split.scatter(range(len(doubled)), doubled, (model, opt))
     for got, want in zip(split.gather(), doubled, strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -203,7 +205,7 @@ def test_an_array_stored_on_a_module_is_a_leaf_of_the_split():
     split = GraphSplit((model,))
     assert [a.shape for a in split.gather()] == [(3,), (2,)]
     assert split.leaves[index(split, 0, "raw")] is model.raw
-    split.scatter([index(split, 0, "w")], [jnp.full(2, 4.0)])
+    split.scatter([index(split, 0, "w")], [jnp.full(2, 4.0)], (model,))
     np.testing.assert_array_equal(model.w[...], np.full(2, 4.0))
 
 

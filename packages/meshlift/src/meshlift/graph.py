@@ -21,14 +21,13 @@ model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
 split = GraphSplit((model,))
 arrays = split.gather()               # one array per Variable, shared ones once
 assert split.unchanged()              # cheap: identity checks only
-split.scatter(range(len(arrays)), arrays)
+split.scatter(range(len(arrays)), arrays, (model,))
 ```
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -92,8 +91,8 @@ class GraphSplit:
     Leaves are Variables (shared ones once) and arrays stored directly on a
     module (``nnx.data``). ``key`` is a fingerprint of the structure (types,
     static attributes by content, Variable metadata), never of identities, so
-    two models of the same structure share compiled code. The caller's
-    top-level nodes are held weakly: a split never keeps a dropped model alive.
+    two models of the same structure share compiled code. A split holds no
+    reference to the caller's top-level nodes: it never keeps a dropped model alive.
     """
 
     def __init__(self, nodes: tuple[Any, ...]):
@@ -110,7 +109,13 @@ class GraphSplit:
         top = {id(node) for node in nodes}
         self._inner = {i: node for node, i in ref_index.items() if id(node) not in top}
         self._watcher = Watcher(nodes)
-        self._refs = tuple(_weak(node) for node in nodes)
+        # where each array stored on a module lives: (top-level position or None, the
+        # inner parent node or None, attribute key)
+        self._homes = {
+            i: _home(nodes, path)
+            for i, (path, leaf) in enumerate(zip(self.paths, self.leaves, strict=True))
+            if not isinstance(leaf, nnx.Variable)
+        }
         slots = compat.variable_slots()
         all_variables = all(isinstance(v, nnx.Variable) for v in self.leaves)
         self._slots = slots if slots is not None and all_variables else None
@@ -127,17 +132,31 @@ class GraphSplit:
             return tuple(map(self._slots.read, self.leaves))
         return tuple(map(raw, self.leaves))
 
-    def scatter(self, positions: Iterable[int], values: Iterable[Any]) -> None:
-        """Write each value into the Variable at its split position (validated by the caller)."""
-        leaves = self.leaves
-        write = self._slots.write if self.fast else _set_raw_value
-        for i, value in zip(positions, values, strict=True):
-            write(leaves[i], value)
+    def scatter(
+        self, positions: Iterable[int], values: Iterable[Any], nodes: tuple[Any, ...]
+    ) -> None:
+        """Write each value at its split position (validated by the caller).
 
-    def nodes(self) -> tuple[Any, ...] | None:
-        """The caller's top-level nodes, or None if one of them was dropped."""
-        nodes = tuple(ref() for ref in self._refs)
-        return None if any(n is None for n in nodes) else nodes
+        A Variable takes the value; an array stored on a module (``nnx.data``) is
+        replaced on its parent, found from ``nodes`` (this call's top-level nodes).
+        """
+        leaves, homes = self.leaves, self._homes
+        write = self._slots.write if self.fast else _set_raw_value
+        moved = []
+        for i, value in zip(positions, values, strict=True):
+            if i in homes:
+                top, parent, key = homes[i]
+                parent = nodes[top] if parent is None else parent
+                graphlib.get_node_impl(parent).set_key(parent, key, value)
+                moved.append((i, value))
+            else:
+                write(leaves[i], value)
+        if moved:  # the split now sees the new arrays, and so does the watcher
+            new_leaves = list(leaves)
+            for i, value in moved:
+                new_leaves[i] = value
+            self.leaves = tuple(new_leaves)
+            self._watcher.snapshot()
 
     def index_map(self, nodes: tuple[Any, ...]) -> graphlib.IndexMap:
         """Graph index -> the caller's node (``nodes`` are this call's top-level nodes)."""
@@ -152,12 +171,14 @@ def _set_raw_value(variable: Any, value: Any) -> None:
     variable.set_raw_value(value)
 
 
-def _weak(node: Any) -> Any:
-    """A weak reference to ``node``, or a strong one where the type takes none (a Variable)."""
-    try:
-        return weakref.ref(node)
-    except TypeError:
-        return lambda: node
+def _home(nodes: tuple[Any, ...], path: Path) -> tuple[int | None, Any, Any]:
+    """Where the array at ``path`` is stored: a top-level node's position, or its parent."""
+    if len(path) == 2:
+        return path[0], None, path[1]
+    parent = nodes[path[0]]
+    for key in path[1:-1]:
+        parent = graphlib.get_node_impl(parent).node_dict(parent)[key]
+    return None, parent, path[-1]
 
 
 # -- inside a trace ----------------------------------------------------------------------
@@ -243,6 +264,12 @@ class GraphUpdate:
                 f"metadata outside the lifted function."
             )
 
+    def leaves(self, var_out: Sequence[Any], extra: Sequence[Any]) -> list[Any]:
+        """The new graph's leaves out of the staged output: the caller's Variables' new
+        values (by split position) and, in order, those of Variables made inside."""
+        extras = iter(extra)
+        return [next(extras) if s is None else var_out[s] for s in self.sources]
+
     def apply(self, values: Sequence[Any], index_map: graphlib.IndexMap) -> graphlib.IndexMap:
         """Re-point the caller's nodes as the function did; returns new index -> object."""
         index_ref = graphlib.IndexMap()
@@ -282,11 +309,13 @@ def encode_outputs(out: Any, ref_index: graphlib.RefMap) -> tuple[Any, OutputNod
 
 
 def decode_outputs(user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexMap) -> Any:
-    """Rebuild graph nodes in the output; references to arguments resolve through ``index_map``."""
+    """Rebuild graph nodes in the output; references to arguments resolve through ``index_map``.
+
+    ``index_map`` is the caller's fresh map: the nodes rebuilt here are added to it.
+    """
     if not nodes.graphdefs:
         return user_out
     items = nodes.treedef.flatten_up_to(user_out)
-    index_map = graphlib.IndexMap(index_map)
     for i, graphdef in nodes.graphdefs.items():
         items[i] = nnx.graph.unflatten(graphdef, list(items[i]), index_ref=index_map)
     return nodes.treedef.unflatten(items)

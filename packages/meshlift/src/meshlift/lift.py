@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -202,7 +203,10 @@ class _LayoutCache:
 
     def get(self, key: Hashable) -> _Layout | None:
         item = self._items.get(key)
-        return None if item is None else item[0]
+        if item is None:
+            return None
+        self._items.move_to_end(key)  # least recently used goes first
+        return item[0]
 
     def put(self, key: Hashable, layout: _Layout, nodes: tuple[Any, ...]) -> None:
         forget = functools.partial(_forget, weakref.ref(self), key)
@@ -213,9 +217,6 @@ class _LayoutCache:
         self._items[key] = (layout, guards)
         if len(self._items) > _MAX_LAYOUTS:
             self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 def _forget(cache_ref: Any, key: Hashable, _: Any) -> None:
@@ -436,10 +437,8 @@ class _Layout:
         """Validate every write, then make them; the index map to decode outputs with."""
         split = self.split
         if info.update is not None:
-            leaves, extras = [], iter(extra)
-            for source in info.update.sources:
-                leaves.append(next(extras) if source is None else var_out[source])
-            self._check_no_leak(leaves, range(len(split.leaves)))
+            leaves = info.update.leaves(var_out, extra)
+            self._check_no_leak(leaves, info.update.sources, info.update.paths)
             return info.update.apply(leaves, split.index_map(call.nodes))
         if placed is None:
             positions, new = info.changed, info.pick_changed(var_out)
@@ -452,23 +451,38 @@ class _Layout:
             changed = frozenset(info.changed)
             new = tuple(var_out[i] if i in changed else placed[i] for i in positions)
         self._check_no_leak(new, positions)
-        split.scatter(positions, new)
+        split.scatter(positions, new, call.nodes)
         return split.index_map(call.nodes) if info.outputs.graphdefs else None
 
-    def _check_no_leak(self, new: Sequence[Any], positions: Iterable[int]) -> None:
-        """Refuse to put an outer transform's tracers into Variables that live outside it."""
-        if not new or not isinstance(new[0], jax.core.Tracer):  # all of one trace, or none
+    def _check_no_leak(
+        self,
+        new: Sequence[Any],
+        positions: Sequence[int | None],
+        new_paths: Sequence[Path] | None = None,
+    ) -> None:
+        """Refuse to put an outer transform's tracers into Variables that live outside it.
+
+        ``positions[j]`` is the split position ``new[j]`` goes to; None for a leaf made
+        inside (at ``new_paths[j]``), outside if the caller's nodes are.
+        """
+        tracer = jax.core.Tracer
+        if not any(map(isinstance, new, itertools.repeat(tracer))):
             return
-        split = self.split
+        leaves = self.split.leaves
+        traced = [j for j, value in enumerate(new) if isinstance(value, tracer)]
+        model_outside = not all(map(_updatable, leaves))
         outside = [
-            i for i in positions if i < len(split.leaves) and not _updatable(split.leaves[i])
+            self._caller_path(self.split.paths[i] if i is not None else new_paths[j])  # type: ignore[index]
+            for j in traced
+            if ((i := positions[j]) is None and model_outside)
+            or (i is not None and not _updatable(leaves[i]))
         ]
         if outside:
-            names = [format_path(self._variable_path(i)) for i in outside]
+            shown = listing(format_path(path) for path in outside)
             raise TraceLeakError(
                 f"{self.lifted.fun_name} was called inside an outer JAX transform (jax.jit, "
                 f"lax.scan, jax.grad, jax.vmap...) and would write that transform's tracers "
-                f"into {listing(names)}, which live outside it. Nothing was written. Pass the "
+                f"into {shown}, which live outside it. Nothing was written. Pass the "
                 f"model through the outer transform (nnx.jit, nnx.scan, nnx.grad, nnx.vmap, or "
                 f"nnx.split/nnx.merge around jax.jit) so its state flows through it, or call "
                 f"{self.lifted.fun_name} outside the transform."
@@ -486,20 +500,24 @@ class _Layout:
             )
 
     def _variable_path(self, i: int) -> Path:
-        path = self.split.paths[i]
+        return self._caller_path(self.split.paths[i])
+
+    def _caller_path(self, path: Path) -> Path:
+        """A split path (top-level node position first) in the caller's argument names."""
         return (*self.leaf_paths[self.node_pos[path[0]]], *path[1:])
 
     def eval_shape(self, call: _Call) -> Any:
-        values = self.split.gather()
-        abstract = jax.tree.map(_abstract, self.inputs(values, call))
-        var_out, extra, user_out, aux = jax.eval_shape(self.staged, *abstract)
+        return self._abstract_outputs(self.staged, call)[0]
+
+    def _abstract_outputs(self, fun: Callable[..., Any], call: _Call) -> tuple[Any, _TraceInfo]:
+        """``fun``'s output, graph nodes rebuilt as abstract modules, and what tracing found."""
+        values = [_abstract(v) for v in self.split.gather()]
+        var_out, extra, user_out, aux = jax.eval_shape(fun, *self.inputs(values, call))
         info = aux.info
-        index_map = abstract_index_map(self.split.graphdef, [_abstract(v) for v in values])
+        index_map = abstract_index_map(self.split.graphdef, values)
         if info.update is not None:
-            extras = iter(extra)
-            leaves = [next(extras) if s is None else var_out[s] for s in info.update.sources]
-            index_map = info.update.apply(leaves, index_map)
-        return decode_outputs(user_out, info.outputs, index_map)
+            index_map = info.update.apply(info.update.leaves(var_out, extra), index_map)
+        return decode_outputs(user_out, info.outputs, index_map), info
 
     # -- plan resolution --------------------------------------------------------------------
     def _in_shardings(
@@ -533,10 +551,8 @@ class _Layout:
         out_specs = lifted.out_specs
         if not any(isinstance(s, StateSharding | Mapping) for s in resolve.spec_leaves(out_specs)):
             return resolve.simple_shardings(out_specs, self.mesh, lifted.out_name)
-        values = self.split.gather()
-        abstract = jax.tree.map(_abstract, self.inputs(values, call))
         try:
-            _, _, user_out, aux = jax.eval_shape(PureFunction(lifted, self), *abstract)
+            abstract_out, info = self._abstract_outputs(PureFunction(lifted, self), call)
         except Exception as e:
             raise PlanError(
                 f"{lifted.out_name} holds a StateSharding, which meshlift resolves by tracing "
@@ -544,10 +560,8 @@ class _Layout:
                 f"trace failed ({type(e).__name__}: {e}). Give {lifted.out_name} as "
                 f"PartitionSpecs for this function."
             ) from e
-        index_map = abstract_index_map(self.split.graphdef, [_abstract(v) for v in values])
-        abstract_out = decode_outputs(user_out, aux.info.outputs, index_map)
         return resolve.output_shardings(
-            out_specs, abstract_out, aux.info.outputs, self.mesh, lifted.out_name
+            out_specs, abstract_out, info.outputs, self.mesh, lifted.out_name
         )
 
 
@@ -618,8 +632,12 @@ def _picker(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, 
     return lambda items: tuple(items[i] for i in positions)
 
 
-def _updatable(variable: Any) -> bool:
-    return not hasattr(variable, "get_raw_value") or compat.can_update(variable)
+def _updatable(leaf: Any) -> bool:
+    """Whether ``leaf`` may take a value of the current trace: a Variable flax lets update,
+    or an array stored on a module that is itself a tracer (the module lives in the trace)."""
+    if hasattr(leaf, "get_raw_value"):  # a Variable
+        return compat.can_update(leaf)
+    return isinstance(leaf, jax.core.Tracer)
 
 
 def _partition(items: Iterable[int], flags: list[bool]) -> tuple[tuple[int, ...], tuple[int, ...]]:

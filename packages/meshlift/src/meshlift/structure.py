@@ -187,6 +187,10 @@ class Watcher:
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
         self._sized = [*self._dicts, *self._sequences, *self._sets]
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Take the current state as the unchanged one (after meshlift itself wrote to it)."""
         self._sizes = self._lengths()
         self._keys, self._values = self._contents()
         self._set_copies = [frozenset(s) for s in self._sets]
