@@ -33,8 +33,11 @@ def install(session: nox.Session, *extra: str) -> None:
     session.install("-c", "constraints.txt", *editables, *extra)
 
 
+TEST_TOOLS = ("pytest", "orbax-checkpoint")  # orbax: the checkpoints page and its tests
+
+
 def run_pytest(session: nox.Session, *paths: str) -> None:
-    install(session, "pytest")
+    install(session, *TEST_TOOLS)
     session.run("pytest", *paths, *session.posargs, env=XLA_ENV)
 
 
@@ -81,7 +84,7 @@ def compat(session: nox.Session, jax: str) -> None:
     """The whole suite on one (python, jax, flax) set: nox -s "compat(jax='0.12')"."""
     constraints = COMPAT[jax][1]
     editables = [arg for path in PACKAGES.values() for arg in ("-e", path)]
-    session.install("-c", constraints, *editables, "pytest")
+    session.install("-c", constraints, *editables, *TEST_TOOLS)
     session.run(
         "python", "-c", "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
     )

@@ -1,5 +1,8 @@
 """ml.jit: numbers, shardings, write-back, options and stages on 8 CPU devices."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,15 +246,22 @@ def test_bare_spec_without_a_mesh_says_how_to_give_one():
         ml.jit(lambda x: x, in_shardings=P("data"))(jnp.ones(8))
 
 
-def test_use_mesh_supplies_the_mesh_and_moves_committed_inputs(mesh):
+def test_use_mesh_supplies_the_mesh_and_refuses_committed_inputs_as_jax_jit_does(mesh):
     model, _ = fresh()
+    x = jnp.ones((8, 16))
+    forward = ml.transform(
+        "jit", lambda m, x: m(x), in_specs=(TENSOR_PARALLEL, P("data")), out_specs=P("data")
+    )
     with ml.use_mesh(mesh):
-        x = jnp.ones((8, 16))  # committed, replicated on the mesh
-        forward = ml.transform(
-            "jit", lambda m, x: m(x), in_specs=(TENSOR_PARALLEL, P("data")), out_specs=P("data")
-        )
+        committed = jnp.ones((8, 16))  # made under the mesh: committed, replicated
+        with pytest.raises(ValueError, match="does not match the sharding"):
+            jax.jit(lambda x: x, in_shardings=P("data"))(committed)
+        with pytest.raises(ValueError, match=r"`x` \(shape \(8, 16\)\) is committed to"):
+            forward(model, committed)
         out = forward(model, x)
+        placed = forward(model, jax.device_put(committed, NamedSharding(mesh, P("data"))))
     assert out.sharding == NamedSharding(mesh, P("data"))
+    np.testing.assert_array_equal(out, placed)
     assert model.linear1.kernel[...].sharding == NamedSharding(mesh, P(None, "model"))
 
 
@@ -359,6 +369,80 @@ def test_stages_lower_compile_and_call_with_modules(mesh):
     loss = compiled(model, opt, x, y)
     assert loss.shape == () and int(opt.step[...]) == before + 1
     assert step.lower(model, opt, x, y).compile()(model, opt, x, y).shape == ()
+
+
+def test_stages_speak_in_the_callers_arguments(mesh):
+    x, y = data()
+    model, opt = fresh()
+    lowered = tensor_parallel_step(mesh).lower(model, opt, x, y)
+    (model_avals, _, x_aval, y_aval), kwargs = lowered.in_avals
+    assert kwargs == {}
+    assert isinstance(model_avals, nnx.State)
+    assert model_avals["linear1"]["kernel"].shape == (16, 32)
+    assert (x_aval.shape, y_aval.shape) == (x.shape, y.shape)
+    assert lowered.args_info[0][2].donated is False
+    compiled = lowered.compile()
+    (model_shardings, opt_shardings, x_sharding, _), _ = compiled.input_shardings
+    assert model_shardings["linear1"]["kernel"] == NamedSharding(mesh, P(None, "model"))
+    assert opt_shardings["opt_state"][0]["mu"]["linear2"]["kernel"].spec == P("model", None)
+    assert x_sharding.spec == P("data")
+    assert compiled.output_shardings.is_fully_replicated  # the loss, as out_shardings=P()
+    assert compiled.out_info.shape == ()
+
+
+def test_compiled_takes_only_the_dynamic_arguments_as_jax_compiled_does():
+    def scale(x, k):
+        return x * k
+
+    x = jnp.arange(4.0)
+    reference = jax.jit(scale, static_argnums=1).lower(x, 3).compile()
+    compiled = ml.jit(scale, static_argnums=1).lower(x, 3).compile()
+    np.testing.assert_array_equal(compiled(x), reference(x))
+    assert compiled.in_avals == reference.in_avals
+    with pytest.raises(TypeError, match=r"static arguments \(k\) are not passed again"):
+        compiled(x, 3)
+    named = ml.jit(scale, static_argnames="k").lower(x, k=2).compile()
+    np.testing.assert_array_equal(named(x), x * 2)
+
+
+def test_jax_errors_name_the_callers_arguments_not_the_staged_inputs():
+    model, _ = fresh()
+
+    def branch_on_data(m, x):
+        return m(x) if x.sum() > 0 else x
+
+    def branch_on_a_parameter(m, x):
+        return m(x) if m.linear1.kernel[0, 0] > 0 else x
+
+    x = jnp.ones((2, 16))
+    for fn, name in ((branch_on_data, "`x`"), (branch_on_a_parameter, "`m.linear1.kernel`")):
+        with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+            ml.jit(fn)(model, x)
+        message = str(info.value)
+        assert f"depends on the value of the argument {name}" in message
+        assert f"tracing the function {fn.__name__}" in message
+        assert "kept_" not in message
+        with pytest.raises(jax.errors.TracerBoolConversionError, match=name):
+            ml.jit(fn).lower(model, x)
+
+
+def test_wrapping_a_function_again_shares_its_programs_and_drops_them_with_it():
+    traces = []
+
+    def double(x):
+        traces.append(1)
+        return x * 2
+
+    x = jnp.ones(4)
+    for _ in range(3):
+        ml.jit(double)(x)
+    ml.jit(double, donate_argnums=0)(jnp.ones(4))  # other options: another program
+    assert len(traces) == 2
+    collected = []
+    weakref.finalize(double, collected.append, True)
+    del double
+    gc.collect()
+    assert collected == [True]  # the shared cache does not keep the function alive
 
 
 def test_compiled_rejects_arguments_of_another_structure():

@@ -172,8 +172,9 @@ def test_without_check_vma_gradients_upstream_of_psum_are_scaled_by_the_axis_siz
 def test_abstract_mesh_resolves_against_the_call_site_mesh(mesh):
     abstract = AbstractMesh((2, 4), ("data", "model"))
     f = ml.shard_map(lambda x: x * 2, mesh=abstract, in_specs=P("data"), out_specs=P("data"))
+    x = jnp.arange(8.0)  # made outside: inside ml.use_mesh it would be committed, replicated
     with ml.use_mesh(mesh):
-        y = f(jnp.arange(8.0))
+        y = f(x)
     assert y.sharding == NamedSharding(mesh, P("data"))
     np.testing.assert_array_equal(y, 2 * np.arange(8.0))
     with pytest.raises(ValueError, match=r"abstract mesh .* found no mesh.*ml\.use_mesh"):
@@ -184,10 +185,11 @@ def test_abstract_mesh_resolves_against_the_call_site_mesh(mesh):
 
 def test_omitted_mesh_is_the_use_mesh_mesh(mesh, data_mesh):
     f = ml.shard_map(lambda x: x.sum(keepdims=True), in_specs=P("data"), out_specs=P("data"))
+    x = jnp.arange(8.0)
     with ml.use_mesh(mesh):
-        assert f(jnp.arange(8.0)).shape == (2,)  # two shards along 'data': 2
+        assert f(x).shape == (2,)  # two shards along 'data': 2
     with ml.use_mesh(data_mesh):
-        assert f(jnp.arange(8.0)).shape == (8,)  # same function, another mesh
+        assert f(x).shape == (8,)  # same function, another mesh
     with pytest.raises(ml.PlanError, match=r"ml\.use_mesh"):
         f(jnp.arange(8.0))
 
@@ -410,8 +412,9 @@ def test_transform_matches_an_abstract_mesh_and_reads_old_names():
             out_specs=P("data"),
             check_rep=True,
         )
+    x = jnp.arange(8.0)
     with ml.use_mesh(mesh):
-        y = double(jnp.arange(8.0))
+        y = double(x)
     assert y.sharding == NamedSharding(mesh, P("data"))
     np.testing.assert_array_equal(y, 2 * np.arange(8.0))
     with pytest.raises(ValueError, match="needs a device mesh of that shape"):
@@ -426,3 +429,42 @@ def test_a_plan_for_outputs_with_collectives_says_to_use_specs():
     )
     with pytest.raises(ml.PlanError, match="Give out_specs as PartitionSpecs"):
         f(jnp.ones(8))
+
+
+def test_a_none_in_specs_passes_the_argument_through_as_jax_shard_map_does(mesh):
+    def body(x, k, label):
+        seen.append((type(k), label))
+        return x * k
+
+    x = jnp.arange(8.0)
+    seen = []
+    expected = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("data"), None, None), out_specs=P("data")
+    )(x, 3, "three")
+    reference = list(seen)
+    seen.clear()
+    lifted = ml.shard_map(body, mesh=mesh, in_specs=(P("data"), None, None), out_specs=P("data"))
+    np.testing.assert_array_equal(lifted(x, 3, "three"), expected)
+    assert seen == reference == [(int, "three")]  # the Python int itself, never traced
+    np.testing.assert_array_equal(lifted(x, 4, "four"), x * 4)  # another value: recompiled
+    lifted(x, 3, "three")
+    assert len(seen) == 2  # the first program is reused
+    with pytest.raises(TypeError, match=r"`label` \(bytearray\) passes through body unchanged"):
+        lifted(x, 3, bytearray(b"x"))
+
+
+def test_a_varying_output_error_names_the_variable_and_the_fix(data_mesh):
+    model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)))
+    forward = ml.shard_map(
+        lambda m, x: m(x).mean(), mesh=data_mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+    before = jax.tree.leaves(nnx.state(model, nnx.BatchStat))
+    with pytest.raises(ValueError) as info:
+        forward(model, jnp.ones((8, 4)))
+    message = str(info.value)
+    assert "the Variable `m.layers.1.mean` (written back) is P()" in message
+    assert "out_specs for `output` is P()" in message
+    assert "out_specs[0]" not in message
+    assert any("jax.lax.pmean(value, 'data')" in note for note in info.value.__notes__)
+    after = jax.tree.leaves(nnx.state(model, nnx.BatchStat))
+    assert all(a is b for a, b in zip(before, after, strict=True))  # nothing written

@@ -60,6 +60,10 @@ class Backend:
     ``capabilities`` are free-form strings the integration suite reads to
     decide which cases a backend declares it cannot run. ``spec_names`` are
     the front end's names for ``in_specs``/``out_specs``, used in errors.
+    With ``passes_through_none``, an argument leaf that is not an array and
+    whose spec is ``None`` reaches the function unchanged (a Python ``int``
+    stays an ``int``), compiled per value like a static argument, as
+    ``jax.shard_map`` passes it.
     """
 
     name: str
@@ -71,3 +75,4 @@ class Backend:
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     description: str = ""
     spec_names: tuple[str, str] = ("in_specs", "out_specs")
+    passes_through_none: bool = False

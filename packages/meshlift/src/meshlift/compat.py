@@ -64,6 +64,21 @@ def can_update(variable: Any) -> bool:
     return isinstance(variable.get_raw_value(), jax.core.Tracer)
 
 
+def is_committed(array: jax.Array) -> bool:
+    """Whether ``array`` was placed explicitly, so ``jax.jit`` refuses it on another sharding."""
+    committed = getattr(array, "_committed", None)
+    return committed if isinstance(committed, bool) else True
+
+
+def outside_traces() -> bool:
+    """True when no JAX transform is tracing (where ``jax.set_mesh`` may be entered)."""
+    try:
+        from jax._src.core import trace_state_clean
+    except ImportError:
+        return False  # unknown: callers then leave the mesh context as it is
+    return trace_state_clean()
+
+
 def concrete_mesh() -> Any:
     """The mesh of ``jax.set_mesh`` / ``ml.use_mesh``, also inside traces; None if unset."""
     try:

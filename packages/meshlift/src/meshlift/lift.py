@@ -3,8 +3,9 @@
 ``Lifted`` keeps two caches: argument layouts, keyed by where every graph node
 sits among the arguments and which objects they are (held weakly, dropped
 with the model), and staged functions, keyed by structure only (a fingerprint,
-never an identity). A call gathers arrays, calls, validates every write, then
-writes back: all or nothing.
+never an identity) and shared by every ``Lifted`` of the same function and
+options, as ``jax.jit`` shares its cache between wrappers. A call gathers
+arrays, calls, validates every write, then writes back: all or nothing.
 
 Example:
 
@@ -21,11 +22,14 @@ import contextlib
 import functools
 import itertools
 import operator
+import re
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, Sharding
 
 from meshlift import compat, resolve
@@ -44,10 +48,14 @@ from meshlift.graph import (
 from meshlift.mesh import current_mesh
 from meshlift.paths import Path, PlanError, TraceLeakError, format_path, listing
 from meshlift.plugins import get_backend
-from meshlift.sharding import StateSharding
+from meshlift.sharding import StateSharding, is_spec
 from meshlift.stages import Lowered, Traced
 
 _MAX_LAYOUTS = 8  # argument layouts remembered per lifted function
+# the staged function's four inputs, as JAX's messages name them
+_INPUT_GROUPS = {"kept_vars": 0, "kept_dyn": 1, "donated_vars": 2, "donated_dyn": 3}
+_STAGED_INPUT = re.compile(r"\b(kept_vars|kept_dyn|donated_vars|donated_dyn)\[(\d+)\]")
+_STAGED_OUTPUT = re.compile(r"\b(out_specs|out_shardings)((?:\[\d+\])+)")
 
 
 class Lifted:
@@ -61,6 +69,9 @@ class Lifted:
     ``mesh`` is a mesh, a function returning one at each call (how a backend
     reads a call-site context), or None for the mesh of ``ml.use_mesh``.
     ``spec_names`` are the front end's names for the specs, used in errors.
+    ``meshless_specs``, if given, are ``(in_specs, out_specs)`` for a call with
+    no mesh in context, where a front end reads its specs differently then
+    (old ``pjit``'s ``None``: replicated on the mesh, else the compiler's choice).
     """
 
     def __init__(
@@ -77,6 +88,7 @@ class Lifted:
         donate_argnames: str | Iterable[str] | None = None,
         options: Mapping[str, Any] | None = None,
         spec_names: tuple[str, str] = ("in_specs", "out_specs"),
+        meshless_specs: tuple[Any, Any] | None = None,
     ):
         if not callable(fun):
             raise TypeError(f"expected a function to lift, got {type(fun).__name__}: {fun!r}")
@@ -86,13 +98,15 @@ class Lifted:
         self.in_name, self.out_name = spec_names
         self.in_specs = _checked_specs(in_specs, self.in_name)
         self.out_specs = _checked_specs(out_specs, self.out_name)
+        self.meshless_specs = meshless_specs
         self.mesh = mesh
         self.options = dict(options or {})
         self.signature = Signature(
             fun, static_argnums, static_argnames, donate_argnums, donate_argnames
         )
         self._layouts = _LayoutCache()
-        self._staged: dict[Hashable, Any] = {}
+        self._passed: dict[Any, tuple[int, ...]] = {}  # treedef -> leaves passed through
+        self._staged = _shared_stages(fun, self._options_key())
 
     def __repr__(self) -> str:
         return f"<meshlift.{self.backend.name} of {getattr(self.fun, '__qualname__', self.fun)}>"
@@ -107,21 +121,54 @@ class Lifted:
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace for these arguments; ``.lower()`` continues. Nothing is written back."""
         layout, call = self._layout(args, kwargs)
-        return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
+        with layout.named_errors():
+            return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Lower for these arguments; ``.compile()`` gives a ``Compiled`` called like this function."""
+        """Lower for these arguments; ``.compile()`` gives a ``Compiled`` called like this
+        function, without the static arguments (they are part of the program)."""
         layout, call = self._layout(args, kwargs)
-        return Lowered(layout.staged.lower(*layout.placed_inputs(call)), layout)
+        with layout.named_errors():
+            return Lowered(layout.staged.lower(*layout.placed_inputs(call)), layout)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
         layout, call = self._layout(args, kwargs)
-        return layout.eval_shape(call)
+        with layout.named_errors():
+            return layout.eval_shape(call)
 
     @property
     def fun_name(self) -> str:
         return getattr(self.fun, "__name__", "the lifted function")
+
+    def specs_on(self, mesh: Any) -> tuple[Any, Any]:
+        """``(in_specs, out_specs)`` for a call on ``mesh`` (None: no mesh in context)."""
+        if mesh is None and self.meshless_specs is not None:
+            return self.meshless_specs
+        return self.in_specs, self.out_specs
+
+    def _options_key(self) -> Hashable | None:
+        """Everything besides the arguments that the staged functions depend on; None if
+        some option is unhashable (then this function keeps its staged functions to itself)."""
+        sig = self.signature
+        key = (
+            self.backend,
+            self.in_name,
+            self.out_name,
+            _spec_key(self.in_specs),
+            _spec_key(self.out_specs),
+            _spec_key(self.meshless_specs),
+            sig.static_argnums,
+            sig.static_argnames,
+            sig.donate_argnums,
+            sig.donate_argnames,
+            tuple(sorted(self.options.items())),
+        )
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def _layout(self, args: tuple, kwargs: dict, mesh: Any = None) -> tuple[_Layout, _Call]:
         """The layout for these arguments (made if new or stale), and this call's leaves.
@@ -134,11 +181,18 @@ class Lifted:
         nodes = tuple(map(leaves.__getitem__, positions))
         mesh = self._call_site_mesh() if mesh is None else mesh
         key = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
+        if self._passed and (passed := self._passed.get(treedef)):
+            key += tuple(_pass_key(leaves[i]) for i in passed)
         call = _Call(leaves, nodes)
-        layout = self._layouts.get(key)
+        try:
+            layout = self._layouts.get(key)
+        except TypeError:  # an unhashable value passed through: _Layout names it
+            layout = None
         if layout is None or not layout.split.unchanged():
             layout = _Layout(self, args, kwargs, call, treedef, statics, mesh)
             self._layouts.put(key, layout, call.nodes)
+            if layout.passed:
+                self._passed[treedef] = layout.passed
         return layout, call
 
     def _call_site_mesh(self) -> Any:
@@ -228,11 +282,23 @@ def _forget(cache_ref: Any, key: Hashable, _: Any) -> None:
 class _TraceInfo:
     """What tracing learned that the caller needs, carried out as static output data."""
 
-    def __init__(self, changed: tuple[int, ...], update: GraphUpdate | None, outputs: OutputNodes):
+    def __init__(
+        self,
+        changed: tuple[int, ...],
+        update: GraphUpdate | None,
+        outputs: OutputNodes,
+        container: type | None,
+    ):
         self.changed = changed  # split positions of Variables with new values
         self.pick_changed = _picker(changed)  # their values out of the staged output
         self.update = update  # a new graph for the arguments' nodes, if more than values changed
         self.outputs = outputs  # graph nodes in the output
+        self.container = container  # the output's own list or tuple type, if staged as the other
+
+    def decode(self, user_out: Any, index_map: Any) -> Any:
+        """The caller's output: graph nodes rebuilt, its own top-level list or tuple."""
+        out = decode_outputs(user_out, self.outputs, index_map)
+        return out if self.container is None else self.container(out)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -261,34 +327,40 @@ class PureFunction:
     """
 
     def __init__(self, lifted: Lifted, layout: _Layout):
-        self.fun = lifted.fun
+        self.fun_ref = _weak(lifted.fun)  # the cache of staged functions must not keep it
         self.graphdef = layout.split.graphdef
         self.unchanged_graphdef = self.graphdef.with_same_outer_index()
         self.treedef, self.statics = layout.treedef, layout.statics
         self.node_pos = layout.node_pos
         self.var_order = layout.var_groups[0] + layout.var_groups[1]
         self.dyn_order = layout.dyn_groups[0] + layout.dyn_groups[1]
+        self.passed = dict(layout.passed_values)
         self.donated = frozenset(layout.var_groups[1])
         self.names = [format_path(layout.leaf_paths[i]) for i in layout.node_pos]
         self.leaf_position = {
             index: i for i, index in enumerate(layout.split.leaf_index) if index is not None
         }
         self.arrays = tuple(i for i, index in enumerate(layout.split.leaf_index) if index is None)
-        self.__name__ = getattr(self.fun, "__name__", "lifted")
-        self.__qualname__ = getattr(self.fun, "__qualname__", self.__name__)
+        out_specs = lifted.specs_on(layout.mesh)[1]
+        self.out_container = type(out_specs) if type(out_specs) in (list, tuple) else None
+        self.__name__ = getattr(lifted.fun, "__name__", "lifted")
+        self.__qualname__ = getattr(lifted.fun, "__qualname__", self.__name__)
 
     def __call__(self, kept_vars, kept_dyn, donated_vars, donated_dyn):
         values: list[Any] = [None] * len(self.var_order)
         for i, value in zip(self.var_order, (*kept_vars, *donated_vars), strict=True):
             values[i] = value
         rebuilt = Rebuilt(self.graphdef, values)
-        leaves: list[Any] = [None] * (len(self.node_pos) + len(self.dyn_order))
+        leaves: list[Any] = [None] * (len(self.node_pos) + len(self.dyn_order) + len(self.passed))
         for i, node in zip(self.node_pos, rebuilt.nodes, strict=True):
             leaves[i] = node
+        for i, value in self.passed.items():
+            leaves[i] = value
         for i, value in zip(self.dyn_order, (*kept_dyn, *donated_dyn), strict=True):
             leaves[i] = value
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
-        out = self.fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
+        fun = self.fun_ref()
+        out = fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
 
         ref_index, new_values, update = rebuilt.changes(
             self.unchanged_graphdef, self.leaf_position, self.arrays
@@ -312,8 +384,14 @@ class PureFunction:
                 else:
                     var_list[source] = value
             changed, var_out = (), tuple(var_list)
+        container = type(out)
+        if container in (list, tuple) and self.out_container not in (None, container):
+            out = self.out_container(out)  # a list of specs matches a tuple output, and back
         user_out, outputs = encode_outputs(out, ref_index)
-        return var_out, tuple(extra), user_out, _Aux(_TraceInfo(changed, update, outputs))
+        info = _TraceInfo(
+            changed, update, outputs, container if type(out) is not container else None
+        )
+        return var_out, tuple(extra), user_out, _Aux(info)
 
 
 class _Layout:
@@ -330,6 +408,7 @@ class _Layout:
         mesh: Any,
     ):
         self.lifted, self.treedef, self.statics, self.mesh = lifted, treedef, statics, mesh
+        self.arg_count, self.kwarg_names = len(args), tuple(kwargs)
         leaves = call.leaves
         self.node_pos = tuple(i for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
         self.dyn_pos = tuple(i for i, leaf in enumerate(leaves) if not is_graph_leaf(leaf))
@@ -339,6 +418,18 @@ class _Layout:
         donated = sig.donated_leaves(args, kwargs, statics)
         self.var_shardings, self.dyn_shardings = self._in_shardings(args, leaves)
         dyn_shardings = self.dyn_shardings
+        self.passed = tuple(
+            i
+            for i in self.dyn_pos
+            if lifted.backend.passes_through_none
+            and dyn_shardings[i] is None
+            and _pass_key(leaves[i]) is not _ARRAY
+        )
+        self.passed_values = {i: leaves[i] for i in self.passed}
+        if self.passed:
+            self.dyn_pos = tuple(i for i in self.dyn_pos if i not in self.passed)
+        passed = tuple((i, _pass_key(leaves[i])) for i in self.passed)
+        self._check_hashable(passed)
 
         var_donated = [donated[self.node_pos[path[0]]] for path in self.split.paths]
         self.var_groups = _partition(range(len(self.var_shardings)), var_donated)
@@ -351,7 +442,7 @@ class _Layout:
             tuple(dyn_shardings[i] for i in self.dyn_groups[1]),
         )
         donate_argnums = (2, 3) if self.donated else ()
-        key = (self.split.key, treedef, statics, in_shardings, donate_argnums, mesh)
+        key = (self.split.key, treedef, statics, in_shardings, donate_argnums, mesh, passed)
         if key not in lifted._staged:
             out_shardings = (self.var_shardings, None, self._out_shardings(call), None)
             spec = StageSpec(
@@ -365,6 +456,18 @@ class _Layout:
         else:
             self.staged = lifted._staged[key]
         self.placed = False
+
+    def _check_hashable(self, passed: tuple[tuple[int, Any], ...]) -> None:
+        for i, value in passed:
+            try:
+                hash(value)
+            except TypeError as e:
+                raise TypeError(
+                    f"`{format_path(self.leaf_paths[i])}` ({type(value[1]).__name__}) passes "
+                    f"through {self.lifted.fun_name} unchanged (its spec is None and it is not "
+                    f"an array), so it is compiled in like a static argument and must be "
+                    f"hashable; pass a tuple or a frozen dataclass, or an array with a spec"
+                ) from e
 
     # -- per call -------------------------------------------------------------------------
     def inputs(self, values: Sequence[Any], call: _Call) -> tuple[tuple[Any, ...], ...]:
@@ -380,17 +483,18 @@ class _Layout:
         )
 
     def placed_inputs(self, call: _Call) -> tuple[tuple[Any, ...], ...]:
-        """The inputs with every array on its planned sharding, written nowhere (for stages)."""
+        """The inputs with every Variable on its planned sharding, written nowhere (for stages)."""
+        self._refuse_misplaced_leaves(call)
         values = self.split.gather()
-        moved = self._moved_inputs(values, call)
-        return self.inputs(values, call) if moved is None else self.inputs(*moved)
+        return self.inputs(_onto(values, self.var_shardings) or values, call)
 
     def run(self, staged: Any, call: _Call) -> Any:
         """Call ``staged``; then, all or nothing, write back and rebuild graph nodes in the output.
 
         The first call of a layout also places Variables onto the plan, once it
         has succeeded. A Variable given an array on another sharding since (JAX
-        refuses those) is moved back to the plan's and the call is made again.
+        refuses those) is moved back to the plan's and the call is made again;
+        any other argument JAX refuses is named in the error, never moved.
         """
         values = self.split.gather()
         placed = None if self.placed else _onto(values, self.var_shardings)
@@ -398,12 +502,14 @@ class _Layout:
             try:
                 outputs = staged(*self.inputs(placed or values, call))
             except ValueError:
-                moved = self._moved_inputs(placed or values, call)
+                self._refuse_misplaced_leaves(call)
+                moved = _onto(placed or values, self.var_shardings)
                 if moved is None:
                     raise
-                placed, call = moved
+                placed = moved
                 outputs = staged(*self.inputs(placed, call))
         except Exception as error:
+            self.rename_staged(error)
             if self.donated:
                 self._note_consumed(error, values)
             raise
@@ -411,19 +517,66 @@ class _Layout:
         info = aux.info
         index_map = self._write_back(info, values, placed, var_out, extra, call)
         self.placed = True
-        return decode_outputs(user_out, info.outputs, index_map)
+        return info.decode(user_out, index_map)
 
-    def _moved_inputs(self, values: Sequence[Any], call: _Call) -> tuple[list, _Call] | None:
-        """Inputs moved onto their planned shardings (JAX refuses others); None if none moved."""
-        placed = _onto(values, self.var_shardings)
-        leaves = [call.leaves[i] for i in self.dyn_pos]
-        moved_leaves = _onto(leaves, [self.dyn_shardings[i] for i in self.dyn_pos])
-        if placed is None and moved_leaves is None:
-            return None
-        new_leaves = list(call.leaves)
-        for i, leaf in zip(self.dyn_pos, moved_leaves or leaves, strict=True):
-            new_leaves[i] = leaf
-        return (placed or list(values)), _Call(new_leaves, call.nodes)
+    def _refuse_misplaced_leaves(self, call: _Call) -> None:
+        """Refuse, naming it, an argument array committed to a sharding other than its spec's
+        (``jax.jit`` refuses it too; meshlift does not move the caller's arrays)."""
+        for pos in self.dyn_pos:
+            leaf, sharding = call.leaves[pos], self.dyn_shardings[pos]
+            if (
+                sharding is None
+                or not isinstance(leaf, jax.Array)
+                or isinstance(leaf, jax.core.Tracer)
+                or not compat.is_committed(leaf)
+                or leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+            ):
+                continue
+            spec = getattr(sharding, "spec", sharding)
+            mesh = resolve.mesh_shape(getattr(sharding, "mesh", None))
+            raise ValueError(
+                f"`{format_path(self.leaf_paths[pos])}` (shape {leaf.shape}) is committed to "
+                f"{leaf.sharding}, but {self.lifted.in_name} gives it {spec} on mesh {mesh}. "
+                f"JAX refuses an argument laid out otherwise, and meshlift does not move your "
+                f"arrays: put it there first (`jax.device_put(x, NamedSharding(mesh, {spec}))`), "
+                f"or change its spec"
+            )
+
+    @contextlib.contextmanager
+    def named_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as error:
+            self.rename_staged(error)
+            raise
+
+    def rename_staged(self, error: BaseException) -> None:
+        """Put the caller's names in a JAX error that names the staged function's inputs
+        (``kept_dyn[0]``) or output specs (``out_specs[0][3]``)."""
+        if len(error.args) != 1 or not isinstance(error.args[0], str):
+            return
+        text = _STAGED_INPUT.sub(self._input_name, error.args[0])
+        text = _STAGED_OUTPUT.sub(self._output_name, text)
+        text = text.replace("the function <unknown>", f"the function {self.lifted.fun_name}")
+        error.args = (text,)
+
+    def _input_name(self, match: re.Match[str]) -> str:
+        group, j = _INPUT_GROUPS[match.group(1)], int(match.group(2))
+        positions = (self.var_groups, self.dyn_groups)[group % 2][group // 2]
+        if j >= len(positions):
+            return match.group(0)
+        if group % 2 == 0:
+            return f"`{format_path(self._variable_path(positions[j]))}`"
+        return f"`{format_path(self.leaf_paths[positions[j]])}`"
+
+    def _output_name(self, match: re.Match[str]) -> str:
+        """``[0][i]``: the Variable at split position i; ``[2]...``: the caller's output."""
+        where, *rest = (int(i) for i in re.findall(r"\d+", match.group(2)))
+        if where == 0 and len(rest) == 1 and rest[0] < len(self.split.paths):
+            return f"the Variable `{format_path(self._variable_path(rest[0]))}` (written back)"
+        if where == 2:
+            return f"{self.lifted.out_name} for `{format_path(('output', *map(str, rest)))}`"
+        return match.group(0)
 
     def _write_back(
         self,
@@ -506,18 +659,48 @@ class _Layout:
         """A split path (top-level node position first) in the caller's argument names."""
         return (*self.leaf_paths[self.node_pos[path[0]]], *path[1:])
 
+    # -- stages in the caller's terms -------------------------------------------------------
+    def as_arguments(self, tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A tree over the staged inputs (avals, shardings...) as the caller's ``(args,
+        kwargs)``, static ones left out, each graph node an ``nnx.State`` by Variable path."""
+        kept_vars, kept_dyn, donated_vars, donated_dyn = tree[0]
+        variables = self.var_groups[0] + self.var_groups[1]
+        per_variable = dict(zip(variables, (*kept_vars, *donated_vars), strict=True))
+        others = self.dyn_groups[0] + self.dyn_groups[1]
+        leaves = dict(zip(others, (*kept_dyn, *donated_dyn), strict=True)) | self.passed_values
+        for k, pos in enumerate(self.node_pos):
+            paths = self.split.paths
+            leaves[pos] = _as_state(
+                {p[1:]: per_variable[i] for i, p in enumerate(paths) if p[0] == k}
+            )
+        return jax.tree.unflatten(self.treedef, [leaves[i] for i in range(len(leaves))])
+
+    @staticmethod
+    def as_output(tree: Any) -> Any:
+        """A tree over the staged outputs as the caller's output, graph nodes as ``nnx.State``."""
+        _, _, user_out, aux = tree
+        info = aux.info
+        nodes = info.outputs
+        if nodes.graphdefs:
+            items = nodes.treedef.flatten_up_to(user_out)
+            for i, paths in nodes.paths.items():
+                items[i] = _as_state(dict(zip(paths, items[i], strict=True)))
+            user_out = nodes.treedef.unflatten(items)
+        return user_out if info.container is None else info.container(user_out)
+
     def eval_shape(self, call: _Call) -> Any:
         return self._abstract_outputs(self.staged, call)[0]
 
     def _abstract_outputs(self, fun: Callable[..., Any], call: _Call) -> tuple[Any, _TraceInfo]:
         """``fun``'s output, graph nodes rebuilt as abstract modules, and what tracing found."""
         values = [_abstract(v) for v in self.split.gather()]
-        var_out, extra, user_out, aux = jax.eval_shape(fun, *self.inputs(values, call))
+        evaluate = getattr(fun, "eval_shape", None) or functools.partial(jax.eval_shape, fun)
+        var_out, extra, user_out, aux = evaluate(*self.inputs(values, call))
         info = aux.info
         index_map = abstract_index_map(self.split.graphdef, values)
         if info.update is not None:
             index_map = info.update.apply(info.update.leaves(var_out, extra), index_map)
-        return decode_outputs(user_out, info.outputs, index_map), info
+        return info.decode(user_out, index_map), info
 
     # -- plan resolution --------------------------------------------------------------------
     def _in_shardings(
@@ -526,7 +709,7 @@ class _Layout:
         """One sharding per Variable (split order) and per other leaf (by leaf position)."""
         lifted = self.lifted
         positional = lifted.signature.positional_prefix(
-            lifted.in_specs, args, lifted.in_name, lifted.fun_name
+            lifted.specs_on(self.mesh)[0], args, lifted.in_name, lifted.fun_name
         )
         prefix = resolve.broadcast_prefix(positional, args, lifted.in_name, "arguments")
         prefix += [None] * (len(leaves) - len(prefix))  # kwargs take no specs, as in jax.jit
@@ -548,12 +731,13 @@ class _Layout:
     def _out_shardings(self, call: _Call) -> Any:
         """The output's shardings; a plan for output modules is resolved on an abstract trace."""
         lifted = self.lifted
-        out_specs = lifted.out_specs
+        out_specs = lifted.specs_on(self.mesh)[1]
         if not any(isinstance(s, StateSharding | Mapping) for s in resolve.spec_leaves(out_specs)):
             return resolve.simple_shardings(out_specs, self.mesh, lifted.out_name)
         try:
             abstract_out, info = self._abstract_outputs(PureFunction(lifted, self), call)
         except Exception as e:
+            self.rename_staged(e)
             raise PlanError(
                 f"{lifted.out_name} holds a StateSharding, which meshlift resolves by tracing "
                 f"{lifted.fun_name} abstractly, outside the {lifted.backend.name} backend; that "
@@ -613,6 +797,26 @@ def transform(
 
 # -- helpers -----------------------------------------------------------------------------
 
+# fun -> options key -> staged key -> staged function; an entry goes with its function
+_STAGES: weakref.WeakKeyDictionary[Any, dict[Hashable, dict[Hashable, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shared_stages(fun: Callable[..., Any], options_key: Hashable | None) -> dict[Hashable, Any]:
+    """The staged functions of every ``Lifted`` of ``fun`` with these options."""
+    if options_key is None:
+        return {}
+    try:
+        return _STAGES.setdefault(fun, {}).setdefault(options_key, {})
+    except TypeError:  # a function that cannot be weakly referenced or hashed
+        return {}
+
+
+def _spec_key(specs: Any) -> Hashable:
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: is_spec(x) or x is None)
+    return treedef, tuple(leaves)
+
 
 def _checked_specs(specs: Any, what: str) -> Any:
     """Refuse a graph node given where specs go, when the function is lifted."""
@@ -669,6 +873,32 @@ def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
     for i, value in zip(misplaced, moved, strict=True):
         placed[i] = value
     return placed
+
+
+_ARRAY = object()  # _pass_key of an array: never passed through
+
+
+def _pass_key(leaf: Any) -> Any:
+    """What a leaf that may pass through is compiled in as: its type and value; _ARRAY for an
+    array (always an input)."""
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic) or hasattr(leaf, "__jax_array__"):
+        return _ARRAY
+    return type(leaf), leaf
+
+
+def _weak(fun: Callable[..., Any]) -> Callable[[], Any]:
+    """A weak reference to ``fun``, or a strong one where it cannot be weakly referenced."""
+    try:
+        return weakref.ref(fun)
+    except TypeError:
+        return lambda: fun
+
+
+def _as_state(flat: dict[Path, Any]) -> Any:
+    """One graph node's entries by path as an ``nnx.State`` (a Variable passed alone: its entry)."""
+    if list(flat) == [()]:
+        return flat[()]
+    return nnx.State.from_flat_path(flat)
 
 
 def _is_deleted(x: Any) -> bool:

@@ -1,13 +1,18 @@
 """JAX's stages for a lifted function: ``Traced`` -> ``Lowered`` -> ``Compiled``.
 
-Each wraps JAX's own object (every attribute of it is reachable), and a
-``Compiled`` is called with the same arguments as the lifted function,
-modules included, writing back as a call does.
+Each wraps JAX's own object (every attribute of it is reachable, and the
+object itself is ``jax_traced``/``jax_lowered``/``jax_compiled``). What JAX
+reports per input or output (``in_avals``, ``args_info``, ``out_info``,
+``input_shardings``...) is given in the caller's terms: ``(args, kwargs)`` of
+the dynamic arguments, each module an ``nnx.State`` by Variable path. A
+``Compiled`` is called like the lifted function without its static
+arguments, as JAX's is, modules included, writing back as a call does.
 
 Example:
 
 ```python
 compiled = step.lower(model, batch).compile()
+(model_avals, batch_avals), _ = compiled.in_avals
 loss = compiled(model, batch)
 ```
 """
@@ -15,6 +20,8 @@ loss = compiled(model, batch)
 from __future__ import annotations
 
 from typing import Any
+
+from meshlift.arguments import insert_statics, named_statics
 
 
 class _Stage:
@@ -26,6 +33,18 @@ class _Stage:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jax_stage, name)
 
+    @property
+    def in_avals(self) -> Any:
+        return self._layout.as_arguments(self._jax_stage.in_avals)
+
+    @property
+    def args_info(self) -> Any:
+        return self._layout.as_arguments(self._jax_stage.args_info)
+
+    @property
+    def out_info(self) -> Any:
+        return self._layout.as_output(self._jax_stage.out_info)
+
 
 class Traced(_Stage):
     """JAX's ``Traced`` for a lifted function; ``.lower()`` continues to a ``Lowered``."""
@@ -34,8 +53,13 @@ class Traced(_Stage):
     def jax_traced(self) -> Any:
         return self._jax_stage
 
+    @property
+    def out_avals(self) -> Any:
+        return self._layout.as_output(self._jax_stage.out_avals)
+
     def lower(self, **kwargs: Any) -> Lowered:
-        return Lowered(self._jax_stage.lower(**kwargs), self._layout)
+        with self._layout.named_errors():
+            return Lowered(self._jax_stage.lower(**kwargs), self._layout)
 
 
 class Lowered(_Stage):
@@ -50,18 +74,40 @@ class Lowered(_Stage):
 
 
 class Compiled(_Stage):
-    """JAX's ``Compiled``, called with the same kind of arguments as the lifted function.
+    """JAX's ``Compiled``, called with the lifted function's dynamic arguments.
 
-    ``as_text``, ``cost_analysis``, ``memory_analysis``, ``input_shardings`` and
-    ``output_shardings`` are JAX's, in terms of the staged function's flat inputs.
+    ``as_text``, ``cost_analysis`` and ``memory_analysis`` are JAX's;
+    ``input_shardings`` and ``output_shardings`` are in the caller's terms.
     """
 
     @property
     def jax_compiled(self) -> Any:
         return self._jax_stage
 
+    @property
+    def input_shardings(self) -> Any:
+        return self._layout.as_arguments(self._jax_stage.input_shardings)
+
+    @property
+    def output_shardings(self) -> Any:
+        return self._layout.as_output(self._jax_stage.output_shardings)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layout = self._layout
+        if len(args) != layout.arg_count or set(kwargs) != set(layout.kwarg_names):
+            statics = [layout.lifted.signature.name(where) for where, _ in layout.statics]
+            raise TypeError(
+                f"this Compiled takes {layout.arg_count} positional argument(s) and the keyword "
+                f"argument(s) {sorted(layout.kwarg_names)}, as it was lowered, got {len(args)} "
+                f"and {sorted(kwargs)}"
+                + (
+                    f"; static arguments ({', '.join(statics)}) are not passed again"
+                    if statics
+                    else ""
+                )
+            )
+        args = tuple(insert_statics(args, layout.statics))
+        kwargs = {**kwargs, **named_statics(layout.statics)}
         current, call = layout.lifted._layout(args, kwargs, layout.mesh)
         if current.staged is not layout.staged:
             raise TypeError(

@@ -8,6 +8,7 @@ Example::
 
     import jax.numpy as jnp
     import meshlift as ml
+from meshlift import compat
     from jax.sharding import PartitionSpec as P
 
     f = ml.pjit(lambda x: x * 2, in_axis_resources=P("data"), out_axis_resources=None)
@@ -17,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -25,8 +25,9 @@ from typing import Any
 import jax
 
 import meshlift as ml
+from meshlift import compat
 from meshlift_pjit.context import call_site_mesh
-from meshlift_pjit.specs import UNSPECIFIED, legacy_specs, pick
+from meshlift_pjit.specs import UNSPECIFIED, legacy_specs, meshless_specs, pick
 
 try:
     __version__ = version("meshlift-pjit")
@@ -40,33 +41,73 @@ _OLD_NAMES = (("in_axis_resources", "in_specs"), ("out_axis_resources", "out_spe
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     """``jax.jit`` over the pure function, with shardings resolved on the call-site mesh."""
-    return jax.jit(
+    jitted = jax.jit(
         fn,
         in_shardings=spec.in_specs,
         out_shardings=spec.out_specs,
         donate_argnums=spec.donate_argnums,
         **spec.options,
     )
+    return jitted if spec.mesh is None else OnMesh(jitted, spec.mesh)
+
+
+class OnMesh:
+    """A jitted function run on a mesh's devices, as old ``pjit`` ran under ``with mesh:``.
+
+    ``jax.jit`` places a computation on the mesh of ``jax.set_mesh`` only; under
+    the deprecated ``with mesh:`` context (or ``mesh=``) it is entered around
+    each call, outside traces, so unspecified arrays land on the mesh.
+    """
+
+    def __init__(self, jitted: Any, mesh: Any):
+        self.jitted, self.mesh = jitted, mesh
+
+    def __call__(self, *args: Any) -> Any:
+        return self._on_mesh("__call__", args)
+
+    def trace(self, *args: Any) -> Any:
+        return self._on_mesh("trace", args)
+
+    def lower(self, *args: Any) -> Any:
+        return self._on_mesh("lower", args)
+
+    def eval_shape(self, *args: Any) -> Any:
+        return self._on_mesh("eval_shape", args)
+
+    def _on_mesh(self, method: str, args: tuple[Any, ...]) -> Any:
+        run = getattr(self.jitted, method)
+        if ml.current_mesh() is not None or not compat.outside_traces():
+            return run(*args)
+        with jax.set_mesh(self.mesh):
+            return run(*args)
 
 
 def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``ml.transform("pjit", ...)``'s arguments read the way ``ml.pjit`` reads them.
 
     ``in_axis_resources``/``out_axis_resources`` are accepted for ``in_specs``/
-    ``out_specs``, ``None`` inside a spec tree means replicated, and without
-    ``mesh=`` the mesh is looked up at each call.
+    ``out_specs``, ``None`` inside a spec tree means replicated on the mesh
+    (the compiler's choice with no mesh), and without ``mesh=`` the mesh is
+    looked up at each call.
     """
     options = dict(kwargs["options"])
     unified = dict(kwargs)
-    names = []
+    names, meshless = [], []
     for old, new in _OLD_NAMES:
-        given = UNSPECIFIED if kwargs[new] is None else kwargs[new]
-        name, specs = pick(old, options.pop(old, UNSPECIFIED), new, given)
-        unified[new] = legacy_specs(specs)
+        given_new = UNSPECIFIED if kwargs[new] is None else kwargs[new]
+        name, specs = pick(old, options.pop(old, UNSPECIFIED), new, given_new)
+        arguments = new == "in_specs"
+        unified[new] = legacy_specs(specs, arguments=arguments)
         names.append(name)
+        meshless.append(meshless_specs(specs, arguments=arguments))
     if kwargs["mesh"] is None:
         unified["mesh"] = call_site_mesh
-    return {**unified, "options": options, "spec_names": tuple(names)}
+    return {
+        **unified,
+        "options": options,
+        "spec_names": tuple(names),
+        "meshless_specs": tuple(meshless),
+    }
 
 
 def pjit(
@@ -103,13 +144,13 @@ def pjit(
         "out_axis_resources", out_axis_resources, "out_shardings", out_shardings
     )
     options = {"keep_unused": True} if keep_unused else {}
-    name = getattr(fun, "__qualname__", "the pjit'd function")
     return ml.Lifted(
         fun,
         backend=BACKEND,
-        mesh=functools.partial(call_site_mesh, name),
-        in_specs=legacy_specs(in_specs),
+        mesh=call_site_mesh,
+        in_specs=legacy_specs(in_specs, arguments=True),
         out_specs=legacy_specs(out_specs),
+        meshless_specs=(meshless_specs(in_specs, arguments=True), meshless_specs(out_specs)),
         static_argnums=static_argnums,
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,

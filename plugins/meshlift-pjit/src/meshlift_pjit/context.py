@@ -1,8 +1,8 @@
 """The call-site mesh, looked up at each call the way old ``pjit`` code declares it.
 
 Order: ``ml.use_mesh(mesh)`` / ``jax.set_mesh(mesh)`` first, then the
-deprecated ``with mesh:`` context. No mesh is an error that says how to
-declare one.
+deprecated ``with mesh:`` context. No mesh is allowed where nothing needs
+one (no specs, ``NamedSharding`` specs, ``None``), as in old ``pjit``.
 
 Example::
 
@@ -21,16 +21,11 @@ from jax.sharding import Mesh
 import meshlift as ml
 
 
-def call_site_mesh(name: str = "this function") -> Mesh:
-    """The concrete mesh in context at the call of ``name``; a RuntimeError if there is none.
+def call_site_mesh() -> Mesh | None:
+    """The concrete mesh in context at the call, or None if there is none.
 
     Works inside traces (an outer ``jax.jit``, ``jax.vmap``, ``jax.grad``) too.
+    With no mesh, as in old ``pjit``, specs that need one are refused when
+    they are resolved, naming the argument.
     """
-    mesh = ml.current_mesh(legacy=True)
-    if mesh is not None:
-        return mesh
-    raise RuntimeError(
-        f"pjit requires a non-empty mesh! {name} was called with no mesh in context. "
-        f"Declare one at the call site: `mesh = ml.make_mesh({{'data': 2, 'model': 4}})`, "
-        f"then call it inside `with ml.use_mesh(mesh):` (or `with jax.set_mesh(mesh):`)"
-    )
+    return ml.current_mesh(legacy=True)

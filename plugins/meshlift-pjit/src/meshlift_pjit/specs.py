@@ -1,15 +1,16 @@
 """Old ``pjit`` spec trees in meshlift's terms, and the old and new argument names.
 
-Old ``pjit`` read ``None`` as replicated (meshlift's ``None`` leaves the
-choice to the compiler) and lists as tuples. A spec that is not given at all
-stays unspecified.
+Old ``pjit`` read ``None`` as replicated on the mesh in context, or, with no
+mesh, as the compiler's choice (meshlift's ``None``), and a top-level list of
+argument specs as a tuple. A spec that is not given at all stays unspecified.
 
 Example::
 
     from jax.sharding import PartitionSpec as P
-    from meshlift_pjit.specs import legacy_specs
+    from meshlift_pjit.specs import legacy_specs, meshless_specs
 
-    assert legacy_specs([None, P("data")]) == (P(), P("data"))
+    assert legacy_specs([None, P("data")], arguments=True) == (P(), P("data"))
+    assert meshless_specs([None, P("data")], arguments=True) == (None, P("data"))
 """
 
 from __future__ import annotations
@@ -32,25 +33,38 @@ class _Unspecified:
 UNSPECIFIED: Any = _Unspecified()
 
 
-def legacy_specs(tree: Any) -> Any:
-    """``tree`` with ``None`` leaves as ``P()`` and lists as tuples; UNSPECIFIED as None."""
+def legacy_specs(tree: Any, *, arguments: bool = False) -> Any:
+    """``tree`` for a call with a mesh: ``None`` leaves as ``P()``.
+
+    As :func:`meshless_specs` otherwise: UNSPECIFIED becomes None (the compiler
+    chooses), and for ``arguments`` a top-level list is a tuple.
+    """
     if tree is UNSPECIFIED:
         return None
-    return jax.tree.map(_legacy_leaf, tree, is_leaf=lambda x: is_spec(x) or isinstance(x, list))
+    tree = meshless_specs(tree, arguments=arguments)
+    return jax.tree.map(
+        lambda leaf: PartitionSpec() if leaf is None else leaf,
+        tree,
+        is_leaf=lambda x: x is None or is_spec(x),
+    )
 
 
-def _legacy_leaf(leaf: Any) -> Any:
-    if leaf is None:
-        return PartitionSpec()
-    if isinstance(leaf, list):
-        return tuple(legacy_specs(item) for item in leaf)
-    return leaf
+def meshless_specs(tree: Any, *, arguments: bool = False) -> Any:
+    """``tree`` for a call with no mesh: ``None`` kept (the compiler chooses).
+
+    UNSPECIFIED becomes None. For ``arguments`` a top-level list is a tuple, one
+    spec per argument, as old pjit read it; other lists stay lists and match
+    list values (an output list, a list argument).
+    """
+    if tree is UNSPECIFIED:
+        return None
+    return tuple(tree) if arguments and isinstance(tree, list) else tree
 
 
 def pick(old_name: str, old: Any, new_name: str, new: Any) -> tuple[str, Any]:
-    """``(name, value)`` of whichever of the two names was given; both is a TypeError."""
+    """``(name, value)`` of whichever of the two names was given; both is a ValueError."""
     if old is not UNSPECIFIED and new is not UNSPECIFIED:
-        raise TypeError(
+        raise ValueError(
             f"pjit got both {old_name}= and {new_name}=; {old_name} is the old name of "
             f"{new_name}, so pass the specs once, under either name"
         )

@@ -143,6 +143,7 @@ BACKEND = ml.Backend(
     distribution="meshlift-shard-map",
     capabilities={"manual-collectives", "stages", "donation", "partial-manual"},
     description="jax.shard_map under jax.jit: per-device code with hand-written collectives",
+    passes_through_none=True,
 )
 
 

@@ -42,13 +42,15 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     options = normalize(spec.options)
     mesh = _mesh_of(spec)
     manual = manual_axes(options, mesh.axis_names)
-    mapped = jax.shard_map(
-        _name_axis_errors(fn, manual, mesh),
-        mesh=mesh,
-        in_specs=_local_specs(spec.in_specs, manual),
-        out_specs=_local_specs(spec.out_specs, manual),
-        axis_names=manual,
-        check_vma=options["check_vma"],
+    mapped = _explain_varying_outputs(
+        jax.shard_map(
+            _name_axis_errors(fn, manual, mesh),
+            mesh=mesh,
+            in_specs=_local_specs(spec.in_specs, manual),
+            out_specs=_local_specs(spec.out_specs, manual),
+            axis_names=manual,
+            check_vma=options["check_vma"],
+        )
     )
     jitted = jax.jit(
         mapped,
@@ -123,6 +125,27 @@ def _manual_entry(entry: Any, manual: frozenset[str]) -> Any:
         return None
     axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in manual)
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _explain_varying_outputs(mapped: Callable[..., Any]) -> Callable[..., Any]:
+    """``mapped``, with the fix added to JAX's error for an output its out_specs call
+    replicated but that varies over a manual axis (the core names the output or Variable)."""
+
+    @functools.wraps(mapped)
+    def checked(*args: Any) -> Any:
+        try:
+            return mapped(*args)
+        except ValueError as e:
+            if "can't be statically inferred" in str(e):
+                e.add_note(
+                    "To fix it, reduce each value named above over the axes it varies "
+                    "over before returning it: `jax.lax.pmean(value, 'data')` (a loss, or "
+                    "a statistic such as BatchNorm's mean updated on each device's batch), "
+                    "or `jax.lax.psum`; or give it an out_specs entry over those axes."
+                )
+            raise
+
+    return checked
 
 
 _UNBOUND = re.compile(r"unbound axis name: (\w+)")
