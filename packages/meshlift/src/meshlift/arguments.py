@@ -108,7 +108,14 @@ class Signature:
             flags += [donate] * len(jax.tree.leaves(value, is_leaf=is_graph_leaf))
         return flags
 
-    def positional_prefix(self, specs: Any, args: tuple[Any, ...], what: str, fun_name: str) -> Any:
+    def positional_prefix(
+        self,
+        specs: Any,
+        args: tuple[Any, ...],
+        what: str,
+        fun_name: str,
+        keywords: Iterable[str] = (),
+    ) -> Any:
         """``specs`` as a prefix of the non-static positional arguments."""
         if not isinstance(specs, tuple | list):
             return specs
@@ -118,10 +125,17 @@ class Signature:
         n_static = len([n for n in self.static_argnums if n >= 0])
         if n_static and len(specs) == len(args) + n_static:
             return tuple(s for i, s in enumerate(specs) if i not in self.static_argnums)
+        keywords = sorted(keywords)
+        passed = (
+            f"; {', '.join(keywords)} came by keyword, and as in jax.jit keyword arguments take "
+            f"no specs: pass them positionally to give them one"
+            if keywords
+            else ""
+        )
         raise PlanError(
             f"{what} has {len(specs)} entries but {fun_name} was called with {len(args)} "
             f"positional arguments (not counting static ones); give one spec per argument, or "
-            f"a single spec for all"
+            f"a single spec for all{passed}"
         )
 
 

@@ -92,6 +92,12 @@ class Lifted:
     ):
         if not callable(fun):
             raise TypeError(f"expected a function to lift, got {type(fun).__name__}: {fun!r}")
+        if not (mesh is None or callable(mesh) or isinstance(mesh, Mesh | AbstractMesh)):
+            shape = dict(mesh) if isinstance(mesh, Mapping) else {"data": 2, "model": 4}
+            raise TypeError(
+                f"mesh= takes a jax.sharding.Mesh (or AbstractMesh), got "
+                f"{type(mesh).__name__}: {mesh!r}; make one with `ml.make_mesh({shape})`"
+            )
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.backend = get_backend(backend)
@@ -709,7 +715,7 @@ class _Layout:
         """One sharding per Variable (split order) and per other leaf (by leaf position)."""
         lifted = self.lifted
         positional = lifted.signature.positional_prefix(
-            lifted.specs_on(self.mesh)[0], args, lifted.in_name, lifted.fun_name
+            lifted.specs_on(self.mesh)[0], args, lifted.in_name, lifted.fun_name, self.kwarg_names
         )
         prefix = resolve.broadcast_prefix(positional, args, lifted.in_name, "arguments")
         prefix += [None] * (len(leaves) - len(prefix))  # kwargs take no specs, as in jax.jit
