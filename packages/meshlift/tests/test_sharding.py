@@ -405,3 +405,15 @@ def test_unknown_shape_checks_only_the_axes(mesh):
 def test_other_shardings_pass_through(mesh):
     single = SingleDeviceSharding(jax.devices()[0])
     assert to_sharding(single, mesh, "x", jnp.zeros((3,))) is single
+
+
+def test_a_filter_that_matches_nothing_warns_naming_it():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    typo = ml.path_endswith("linear9", "kernel")
+    plan = ml.StateSharding({typo: P(None, "model"), ml.path_endswith("bias"): P(), ...: P()})
+    forward = ml.jit(lambda m, x: m(x), in_shardings=(plan, P()), mesh=mesh)
+    with pytest.warns(UserWarning, match=r"filter path_endswith\('linear9', 'kernel'\)") as caught:
+        forward(layer, jnp.ones((2, 4)))
+    assert len(caught) == 1  # the bias filter matched, and ... is the catch-all
+    assert "of the plan in in_shardings matches no Variable of `m`" in str(caught[0].message)

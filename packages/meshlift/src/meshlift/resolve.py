@@ -1,9 +1,9 @@
-"""Resolution: from spec prefixes to one validated ``Sharding`` per array.
+"""Resolution: from spec prefixes to one validated `Sharding` per array.
 
-Pure functions of (prefix, leaves, paths, mesh). ``to_sharding`` is the one
-place where a spec becomes a ``NamedSharding``; ``broadcast_prefix`` spreads a
+Pure functions of (prefix, leaves, paths, mesh). `to_sharding` is the one
+place where a spec becomes a `NamedSharding`; `broadcast_prefix` spreads a
 spec tree (a pytree prefix of the arguments or the output, with
-``StateSharding`` plans at graph nodes) onto the leaves it covers.
+`StateSharding` plans at graph nodes) onto the leaves it covers.
 
 Example:
 
@@ -21,6 +21,7 @@ assert sharding.spec == P("data")
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,10 +37,10 @@ from meshlift.specs import spec_problems
 def to_sharding(
     spec: Spec, mesh: Any, path: str, value: Any, what: str = "sharding"
 ) -> Sharding | None:
-    """Resolve a leaf spec to a ``Sharding`` for ``value`` at ``path``, validating it.
+    """Resolve a leaf spec to a `Sharding` for `value` at `path`, validating it.
 
     Raises a PlanError naming the path, shape, spec and mesh, calling the spec
-    by the transform's own argument name ``what``. With ``value``
+    by the transform's own argument name `what`. With `value`
     None (an output whose shape is not known yet) only the mesh axes are checked.
     """
     if spec is None:
@@ -69,7 +70,7 @@ def mesh_shape(mesh: Any) -> dict[str, int] | None:
 
 
 def broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = "") -> list[Any]:
-    """One spec per leaf of ``tree`` (graph nodes are leaves) from a prefix of it."""
+    """One spec per leaf of `tree` (graph nodes are leaves) from a prefix of it."""
     if is_graph_leaf(tree) and isinstance(prefix, Mapping) and not is_graph_leaf(prefix):
         prefix = StateSharding.from_state(prefix)
     if is_spec(prefix) or is_graph_leaf(tree):
@@ -125,20 +126,22 @@ def variable_shardings(
 ) -> tuple[Sharding | None, ...]:
     """One sharding per Variable of a split, from each top-level node's spec.
 
-    ``node_specs`` holds ``(name, node, spec)`` per top-level graph node;
-    ``variable_position`` maps ``id(variable)`` to its split position. A shared
+    `node_specs` holds `(name, node, spec)` per top-level graph node;
+    `variable_position` maps `id(variable)` to its split position. A shared
     Variable reached by two paths must get one spec from both.
     """
     shardings: list[Sharding | None] = [None] * count
     origin: dict[int, tuple[str, Any]] = {}
+    matched: dict[int, set[int]] = {}  # id(plan) -> indices of rules that matched a Variable
     for name, node, node_spec in node_specs:
         for path, variable in variable_paths(node):
             full = format_path((name, *path))
-            spec = (
-                node_spec.spec_for(path, variable)
-                if isinstance(node_spec, StateSharding)
-                else node_spec
-            )
+            if isinstance(node_spec, StateSharding):
+                rule = node_spec.rule_for(path, variable)
+                matched.setdefault(id(node_spec), set()).add(rule)
+                spec = node_spec.rules[rule][2]
+            else:
+                spec = node_spec
             i = variable_position[id(variable)]
             if i not in origin:
                 origin[i] = (full, spec)
@@ -149,11 +152,30 @@ def variable_shardings(
                     f"{value_shape(variable)}) is given two specs, {origin[i][1]} and {spec}, on "
                     f"mesh {mesh_shape(mesh)}; give both paths the same spec"
                 )
+    _warn_unmatched(node_specs, matched, what)
     return tuple(shardings)
 
 
+def _warn_unmatched(
+    node_specs: Sequence[tuple[str, Any, Any]], matched: Mapping[int, set[int]], what: str
+) -> None:
+    """Warn about each filter of a plan that matched no Variable of the nodes it was given for."""
+    plans = {id(spec): spec for _, _, spec in node_specs if isinstance(spec, StateSharding)}
+    for key, plan in plans.items():
+        names = ", ".join(f"`{name}`" for name, _, spec in node_specs if spec is plan)
+        for i, (filter_, _, spec) in enumerate(plan.rules):
+            if i not in matched.get(key, ()) and filter_ is not Ellipsis:
+                warnings.warn(
+                    f"the filter {filter_!r} (spec {spec}) of the plan in {what} matches no "
+                    f"Variable of {names}, so it does nothing: check its path or tag, or drop "
+                    f"it (an earlier filter may match first)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+
 def leaf_sharding(spec: Any, path: Path, value: Any, mesh: Any, what: str) -> Sharding | None:
-    """The sharding of one non-graph leaf at ``path`` (a plan is asked by the path)."""
+    """The sharding of one non-graph leaf at `path` (a plan is asked by the path)."""
     if isinstance(spec, StateSharding):
         spec = spec.spec_for(path, value)
     return to_sharding(spec, mesh, format_path(path), value, what)
@@ -162,8 +184,8 @@ def leaf_sharding(spec: Any, path: Path, value: Any, mesh: Any, what: str) -> Sh
 def output_shardings(out_specs: Any, abstract_out: Any, nodes: Any, mesh: Any, what: str) -> Any:
     """Shardings for an encoded output, a plan resolved per Variable of output modules.
 
-    ``abstract_out`` is the decoded abstract output; ``nodes`` the
-    ``graph.OutputNodes`` that say where its graph nodes are.
+    `abstract_out` is the decoded abstract output; `nodes` the
+    `graph.OutputNodes` that say where its graph nodes are.
     """
     prefix = broadcast_prefix(out_specs, abstract_out, what, "output")
     leaves = nodes.treedef.flatten_up_to(abstract_out)

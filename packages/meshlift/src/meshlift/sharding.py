@@ -1,18 +1,20 @@
-"""Sharding plans: ``StateSharding``, path filters, and spec validation.
+"""Sharding plans: `StateSharding`, path filters, and spec validation.
 
-A plan maps each parameter of a model to a ``PartitionSpec``. Write it once::
+A plan maps each parameter of a model to a `PartitionSpec`. Write it once:
 
-    from jax.sharding import PartitionSpec as P
-    import meshlift as ml
+```python
+from jax.sharding import PartitionSpec as P
+import meshlift as ml
 
-    plan = ml.StateSharding({
-        ml.path_endswith("linear1", "kernel"): P(None, "model"),
-        ml.path_endswith("linear2", "kernel"): P("model", None),
-        ...: P(),                        # everything else replicated
-    })
+plan = ml.StateSharding({
+    ml.path_endswith("linear1", "kernel"): P(None, "model"),
+    ml.path_endswith("linear2", "kernel"): P("model", None),
+    ...: P(),                        # everything else replicated
+})
+```
 
 and pass it wherever a transform takes shardings or specs, at the position of
-the module it describes (``in_shardings=(plan, P("data"))``).
+the module it describes (`in_shardings=(plan, P("data"))`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ Spec: TypeAlias = PartitionSpec | Sharding | None
 
 
 class path_endswith:
-    """Filter matching parameters whose path ends with ``parts``.
+    """Filter matching parameters whose path ends with `parts`.
 
-    Example::
+    Example:
 
-        plan = ml.StateSharding({ml.path_endswith("linear1", "kernel"): P(None, "model"), ...: P()})
+    ```python
+    plan = ml.StateSharding({ml.path_endswith("linear1", "kernel"): P(None, "model"), ...: P()})
+    ```
     """
 
     def __init__(self, *parts: Hashable):
@@ -58,7 +62,7 @@ class path_endswith:
 
 
 class _PathPrefix:
-    """Matches paths that start with ``prefix`` (how a nested mapping of specs broadcasts)."""
+    """Matches paths that start with `prefix` (how a nested mapping of specs broadcasts)."""
 
     def __init__(self, prefix: Path):
         self.prefix = tuple(str(p) for p in prefix)
@@ -71,10 +75,10 @@ class _PathPrefix:
 
 
 class _AnnotatedPath(path_endswith):
-    """The path of an annotated parameter, with or without the ``value`` field of its box.
+    """The path of an annotated parameter, with or without the `value` field of its box.
 
-    A linen ``Partitioned`` box is a pytree node: transforms see its array at
-    ``params.Dense_0.kernel.value``, ``ml.unbox`` at ``params.Dense_0.kernel``.
+    A linen `Partitioned` box is a pytree node: transforms see its array at
+    `params.Dense_0.kernel.value`, `ml.unbox` at `params.Dense_0.kernel`.
     """
 
     def __call__(self, path: Path, value: Any = None) -> bool:
@@ -92,7 +96,7 @@ def is_spec(x: Any) -> bool:
 
 
 def _shaped_like_a_model(rules: Any) -> bool:
-    """An ``nnx.State``, or a mapping with a mapping among its values: specs by path."""
+    """An `nnx.State`, or a mapping with a mapping among its values: specs by path."""
     if isinstance(rules, nnx.State):
         return True
     return (
@@ -103,7 +107,7 @@ def _shaped_like_a_model(rules: Any) -> bool:
 
 
 def _path_rules(specs: Mapping[Any, Any]) -> list[tuple[Any, Spec]]:
-    """``(path prefix filter, spec)`` pairs of a nested mapping of specs, deepest first."""
+    """`(path prefix filter, spec)` pairs of a nested mapping of specs, deepest first."""
     flat: list[tuple[Path, Spec]] = []
 
     def walk(node: Any, path: Path) -> None:
@@ -120,24 +124,27 @@ def _path_rules(specs: Mapping[Any, Any]) -> list[tuple[Any, Spec]]:
 
 
 class StateSharding:
-    """Ordered ``filter -> spec`` pairs; the first filter that matches a parameter wins.
+    """Ordered `filter -> spec` pairs; the first filter that matches a parameter wins.
 
-    Filters are NNX filters (a ``Variable`` type such as ``nnx.Param``, a tag
-    string, a ``(path, variable) -> bool`` predicate, ``nnx.All``/``Any``/``Not``),
-    ``ml.path_endswith(...)``, or ``...`` for everything. Specs are
-    ``PartitionSpec``, ``NamedSharding`` or ``None`` (left to the compiler).
+    Filters are NNX filters (a `Variable` type such as `nnx.Param`, a tag
+    string, a `(path, variable) -> bool` predicate, `nnx.All`/`Any`/`Not`),
+    `ml.path_endswith(...)`, or `...` for everything. Specs are
+    `PartitionSpec`, `NamedSharding` or `None` (left to the compiler).
 
-    Example::
+    Example:
 
-        plan = ml.StateSharding({
-            nnx.BatchStat: P(),
-            ml.path_endswith("kernel"): P(None, "model"),
-            ...: P(),
-        })
-        plan.spec_for(("linear1", "kernel"), model.linear1.kernel)   # P(None, 'model')
+    ```python
+    plan = ml.StateSharding({
+        nnx.BatchStat: P(),
+        ml.path_endswith("kernel"): P(None, "model"),
+        ...: P(),
+    })
+    linear1 = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    assert plan.spec_for(("linear1", "kernel"), linear1.kernel) == P(None, "model")
+    ```
 
     A parameter that no filter matches is an error naming its path: end the
-    plan with ``...: P()`` to replicate the rest.
+    plan with `...: P()` to replicate the rest.
     """
 
     def __init__(self, rules: Mapping[Any, Any] | Iterable[tuple[Any, Spec]]):
@@ -151,17 +158,19 @@ class StateSharding:
 
     @classmethod
     def from_state(cls, specs: Mapping[Any, Any]) -> StateSharding:
-        """A plan from an ``nnx.State`` or nested mapping of specs, shaped like the model.
+        """A plan from an `nnx.State` or nested mapping of specs, shaped like the model.
 
         A spec at an inner node applies to every parameter below it; deeper entries win.
-        ``StateSharding(specs)`` does the same for an ``nnx.State`` or a nested mapping
-        (as flax's ``nnx.StateSharding(state)``); ``from_state`` also takes a flat one.
+        `StateSharding(specs)` does the same for an `nnx.State` or a nested mapping
+        (as flax's `nnx.StateSharding(state)`); `from_state` also takes a flat one.
 
-        Example::
+        Example:
 
-            plan = ml.StateSharding.from_state({"linear1": {"kernel": P(None, "model"),
-                                                            "bias": P("model")},
-                                                "linear2": P()})
+        ```python
+        plan = ml.StateSharding.from_state({"linear1": {"kernel": P(None, "model"),
+                                                        "bias": P("model")},
+                                            "linear2": P()})
+        ```
         """
         return cls(_path_rules(specs))
 
@@ -171,19 +180,34 @@ class StateSharding:
     ) -> StateSharding:
         """The plan written in the model's own annotations, usable by every backend.
 
-        Reads NNX ``out_sharding`` metadata and linen ``Partitioned`` boxes (from
-        ``ml.with_partitioning`` or flax's functions) of a module, ``nnx.State``,
-        variable dict, ``TrainState`` or ``jax.eval_shape`` output. Logical names
-        are mapped by ``rules`` (else the parameter's own rules, then those of
-        ``ml.axis_rules``); with ``mesh`` (a Mesh or ``{"data": 2, ...}``), rules
+        Reads NNX `out_sharding` metadata and linen `Partitioned` boxes (from
+        `ml.with_partitioning` or flax's functions) of a module, `nnx.State`,
+        variable dict, `TrainState` or `jax.eval_shape` output. Logical names
+        are mapped by `rules` (else the parameter's own rules, then those of
+        `ml.axis_rules`); with `mesh` (a Mesh or `{"data": 2, ...}`), rules
         for axes the mesh lacks are skipped. Each parameter matches by the end of
         its path, so the plan of a model also shards its optimizer state;
         unannotated arrays are replicated.
 
-        Example::
+        Example:
 
-            plan = ml.StateSharding.from_metadata(model)
-            step = ml.jit(train_step, in_shardings=(plan, plan, P("data")), mesh=mesh)
+        ```python
+        import optax
+
+        init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        model = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        mesh = ml.make_mesh({"data": 2, "model": 4})
+
+        def train_step(model, optimizer, batch):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        plan = ml.StateSharding.from_metadata(model)
+        step = ml.jit(train_step, in_shardings=(plan, plan, P("data")), mesh=mesh)
+        loss = step(model, optimizer, jnp.ones((8, 16)))
+        ```
         """
         from meshlift.metadata import annotated_leaves  # metadata imports this module
 
@@ -195,10 +219,14 @@ class StateSharding:
         return cls([*pairs, (..., PartitionSpec())])
 
     def spec_for(self, path: Path, value: Any) -> Spec:
-        """The spec of the first rule matching ``(path, value)``; a PlanError if none does."""
-        for _, predicate, spec in self.rules:
+        """The spec of the first rule matching `(path, value)`; a PlanError if none does."""
+        return self.rules[self.rule_for(path, value)][2]
+
+    def rule_for(self, path: Path, value: Any) -> int:
+        """The index of the first rule matching `(path, value)`; a PlanError if none does."""
+        for i, (_, predicate, _) in enumerate(self.rules):
             if predicate(path, value):
-                return spec
+                return i
         hint = ""
         if any(isinstance(f, str) for f, _, _ in self.rules):
             hint = (
@@ -235,7 +263,7 @@ def _check_spec_type(spec: Any, filter_: Any) -> Spec:
 
 
 def value_shape(value: Any) -> tuple[int, ...]:
-    """The shape of an array, a Variable's array, or ``()`` for a Python scalar."""
+    """The shape of an array, a Variable's array, or `()` for a Python scalar."""
     if isinstance(value, nnx.Variable):
         value = value.get_raw_value()
     return tuple(getattr(value, "shape", ()))
