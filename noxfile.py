@@ -11,6 +11,8 @@ Every session installs into a fresh venv with the pins in constraints.txt.
 """
 
 import json
+import re
+from pathlib import Path
 
 import nox
 
@@ -246,10 +248,38 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the docs site with mkdocs build --strict (its code blocks run in the tests)."""
+    """Build the docs site with mkdocs build --strict (its code blocks run in the tests).
+
+    Then fail if a built page shows "Example::": a reST literal block left in a
+    docstring, which mkdocstrings renders as it is written.
+    """
     install(session, "-r", "docs/requirements.txt")
     # NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner for mkdocs 1.x.
     session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+    site = built_site_dir(session.posargs)
+    pages = sorted(site.glob("**/*.html"))
+    if not pages:
+        session.error(f"found no built pages under {site}/")
+    rest = [str(page) for page in pages if "Example::" in page.read_text(encoding="utf-8")]
+    if rest:
+        session.error(
+            f'"Example::" (reST) is shown on {len(rest)} built page(s): {", ".join(rest)}. '
+            "Write the docstring's example as `Example:`, a blank line and a ```python block"
+        )
+    session.log(f'no "Example::" on the {len(pages)} pages under {site}/')
+
+
+def built_site_dir(mkdocs_args: list[str]) -> Path:
+    """Where `mkdocs build` wrote the site: -d/--site-dir DIR, else mkdocs.yml's site_dir."""
+    for i, arg in enumerate(mkdocs_args):
+        if arg in ("-d", "--site-dir") and i + 1 < len(mkdocs_args):
+            return Path(mkdocs_args[i + 1])
+        if arg.startswith("--site-dir="):
+            return Path(arg.partition("=")[2])
+        if arg.startswith("-d") and len(arg) > 2:
+            return Path(arg[2:])
+    configured = re.search(r"^site_dir:\s*(\S+)", Path("mkdocs.yml").read_text(), re.M)
+    return Path(configured.group(1) if configured else "site")
 
 
 @nox.session

@@ -1,13 +1,20 @@
 """meshlift: lift JAX's SPMD transforms over stateful models.
 
-Example::
+Example:
 
-    import meshlift as ml
-    from jax.sharding import PartitionSpec as P
+```python
+import jax.numpy as jnp
+import meshlift as ml
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-    mesh = ml.make_mesh({"data": 2, "model": 4})
-    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
-    step = ml.jit(train_step, in_shardings=(plan, P("data")), mesh=mesh)
+mesh = ml.make_mesh({"data": 2, "model": 4})
+plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+forward = ml.jit(lambda m, x: m(x), in_shardings=(plan, P("data")), mesh=mesh)
+layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+assert forward(layer, jnp.ones((8, 4))).shape == (8, 8)
+assert layer.kernel[...].sharding.spec == P(None, "model")
+```
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -48,34 +55,48 @@ except PackageNotFoundError:  # running from a source tree without an install
 
 
 def jit(fun: Any = None, /, **kwargs: Any) -> Any:
-    """``jax.jit`` lifted over stateful models; needs the ``meshlift-jit`` backend.
+    """`jax.jit` lifted over stateful models; needs the `meshlift-jit` backend.
 
-    Takes every ``jax.jit`` option plus ``mesh=``; see ``meshlift_jit.jit``.
+    Takes every `jax.jit` option plus `mesh=`; see `meshlift_jit.jit`.
 
-    Example::
+    Example:
 
-        step = ml.jit(train_step, in_shardings=(plan, P("data")), mesh=mesh)
+    ```python
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    double = ml.jit(lambda x: 2 * x, in_shardings=P("data"), mesh=mesh)
+    assert double(jnp.arange(8.0)).sharding.spec == P("data")
+    ```
     """
     return plugins.get_frontend("jit")(fun, **kwargs)
 
 
 def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
-    """``jax.shard_map`` lifted over stateful models; needs the ``meshlift-shard-map`` backend.
+    """`jax.shard_map` lifted over stateful models; needs the `meshlift-shard-map` backend.
 
-    Example::
+    Example:
 
-        f = ml.shard_map(fn, mesh=mesh, in_specs=(plan, P("data")), out_specs=P("data"))
+    ```python
+    mesh = ml.make_mesh({"data": 8})
+    forward = ml.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("data")),
+                           out_specs=P("data"))
+    layer = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    assert forward(layer, jnp.ones((8, 4))).shape == (8, 4)   # each device: one row
+    ```
     """
     return plugins.get_frontend("shard_map")(f, **kwargs)
 
 
 def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
-    """Old ``pjit`` semantics (mesh from the call site) on today's JAX; needs ``meshlift-pjit``.
+    """Old `pjit` semantics (mesh from the call site) on today's JAX; needs `meshlift-pjit`.
 
-    Example::
+    Example:
 
-        with ml.use_mesh(mesh):
-            g = ml.pjit(fn, in_axis_resources=(plan, P("data")), out_axis_resources=P("data"))
+    ```python
+    double = ml.pjit(lambda x: 2 * x, in_axis_resources=P("data"), out_axis_resources=None)
+    x = jnp.arange(8.0)                 # made outside: under the mesh it is committed
+    with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
+        assert double(x).sharding.is_fully_replicated
+    ```
     """
     return plugins.get_frontend("pjit")(fun, *args, **kwargs)
 

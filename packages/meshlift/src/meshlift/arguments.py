@@ -1,8 +1,8 @@
 """Arguments: a lifted function's signature, its static and donated arguments, and leaf paths.
 
-``Signature`` applies ``jax.jit``'s rules for ``static_argnums``/``static_argnames``
-and ``donate_argnums``/``donate_argnames``, and names every argument leaf by
-the caller's parameter names (``("batch", "x")``), so errors speak the
+`Signature` applies `jax.jit`'s rules for `static_argnums`/`static_argnames`
+and `donate_argnums`/`donate_argnames`, and names every argument leaf by
+the caller's parameter names (`("batch", "x")`), so errors speak the
 user's language.
 
 Example:
@@ -53,7 +53,7 @@ class Signature:
     def pop_statics(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[tuple[int | str, Any], ...]]:
-        """The dynamic arguments, and ``((position or name, value), ...)`` of the static ones."""
+        """The dynamic arguments, and `((position or name, value), ...)` of the static ones."""
         if not (self.static_argnums or self.static_argnames):
             return args, kwargs, ()
         nums = {i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)}
@@ -83,7 +83,7 @@ class Signature:
     def leaf_paths(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], statics: tuple[Any, ...]
     ) -> list[Path]:
-        """A path per leaf (graph nodes are leaves): ``("model",)``, ``("batch", "x")``."""
+        """A path per leaf (graph nodes are leaves): `("model",)`, `("batch", "x")`."""
         with_paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_graph_leaf)
         out = []
         for keypath, _ in with_paths:
@@ -116,7 +116,7 @@ class Signature:
         fun_name: str,
         keywords: Iterable[str] = (),
     ) -> Any:
-        """``specs`` as a prefix of the non-static positional arguments."""
+        """`specs` as a prefix of the non-static positional arguments."""
         if not isinstance(specs, tuple | list):
             return specs
         specs = tuple(specs)

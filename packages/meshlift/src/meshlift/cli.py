@@ -1,4 +1,4 @@
-"""The ``meshlift`` command line.
+"""The `meshlift` command line.
 
 ```sh
 meshlift --version           # the core and every backend distribution: version, license
@@ -9,7 +9,7 @@ meshlift demo --help         # the demo's own options
 ```
 
 A user's mistake (a factory that needs arguments, a module that does not
-import, a malformed ``--mesh``) prints ``error: ...`` and a ``hint: ...`` line
+import, a malformed `--mesh`) prints `error: ...` and a `hint: ...` line
 to stderr and exits with status 2, without a traceback.
 """
 
@@ -36,7 +36,7 @@ USAGE_ERROR = 2  # argparse's status for a usage error; ours for a user's mistak
 
 
 class UserError(Exception):
-    """A mistake in what the user asked for: shown as ``error:`` and ``hint:``, exit 2."""
+    """A mistake in what the user asked for: shown as `error:` and `hint:`, exit 2."""
 
     def __init__(self, message: str, hint: str) -> None:
         super().__init__(message)
@@ -45,7 +45,7 @@ class UserError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    """Run the command line with `argv` (default: `sys.argv[1:]`); return the exit code."""
     parser = _parser()
     try:
         args, rest = parser.parse_known_args(argv)
@@ -198,7 +198,7 @@ def _rules(path: str) -> list[tuple[Any, ...]]:
 
 
 def _is_rule(rule: Any) -> bool:
-    """``[logical_name, mesh_axis]``, the mesh axis a name, a list of names, or null."""
+    """`[logical_name, mesh_axis]`, the mesh axis a name, a list of names, or null."""
     if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
         return False
     axes = rule[1]
@@ -284,7 +284,7 @@ def _check_no_arguments(target: str, factory: Any) -> None:
 
 
 def _describe(error: BaseException) -> str:
-    """``Type: first line of the message (at file:line)``, the line in the user's code."""
+    """`Type: first line of the message (at file:line)`, the line in the user's code."""
     if isinstance(error, SyntaxError):
         message, where = error.msg, f" (at {error.filename}:{error.lineno})"
     else:
@@ -308,7 +308,7 @@ def _console() -> Console:
 
 
 def _fold(renderable: Any) -> Any:
-    """``renderable`` with every table's cells folded onto more lines, never cut with "…"."""
+    """`renderable` with every table's cells folded onto more lines, never cut with "…"."""
     renderable = rich_cast(renderable)
     for table in [renderable, *getattr(renderable, "renderables", [])]:
         if isinstance(table, Table):

@@ -57,7 +57,7 @@ def bookkeeping_types() -> tuple[type, ...]:
 
 
 def can_update(variable: Any) -> bool:
-    """Whether ``variable`` may take a value of the current trace (flax's own check)."""
+    """Whether `variable` may take a value of the current trace (flax's own check)."""
     check = getattr(variable, "_can_update", None)
     if isinstance(check, bool):
         return check
@@ -65,13 +65,13 @@ def can_update(variable: Any) -> bool:
 
 
 def is_committed(array: jax.Array) -> bool:
-    """Whether ``array`` was placed explicitly, so ``jax.jit`` refuses it on another sharding."""
+    """Whether `array` was placed explicitly, so `jax.jit` refuses it on another sharding."""
     committed = getattr(array, "_committed", None)
     return committed if isinstance(committed, bool) else True
 
 
 def outside_traces() -> bool:
-    """True when no JAX transform is tracing (where ``jax.set_mesh`` may be entered)."""
+    """True when no JAX transform is tracing (where `jax.set_mesh` may be entered)."""
     try:
         from jax._src.core import trace_state_clean
     except ImportError:
@@ -80,7 +80,7 @@ def outside_traces() -> bool:
 
 
 def concrete_mesh() -> Any:
-    """The mesh of ``jax.set_mesh`` / ``ml.use_mesh``, also inside traces; None if unset."""
+    """The mesh of `jax.set_mesh` / `ml.use_mesh`, also inside traces; None if unset."""
     try:
         mesh = _mesh_reader()()
     except Exception:  # the public reader refuses inside traces on jax 0.10
@@ -98,7 +98,7 @@ def _mesh_reader() -> Callable[[], Any]:
 
 
 def legacy_mesh() -> Any:
-    """The mesh of the deprecated ``with mesh:`` context, or None."""
+    """The mesh of the deprecated `with mesh:` context, or None."""
     try:
         from jax._src.mesh import thread_resources
     except ImportError:
@@ -108,7 +108,7 @@ def legacy_mesh() -> Any:
 
 
 def in_linen_module() -> bool:
-    """True while a linen module's ``setup`` or ``__call__`` runs (linen's module stack)."""
+    """True while a linen module's `setup` or `__call__` runs (linen's module stack)."""
     try:
         from flax.linen import module as linen_module
 

@@ -1,28 +1,30 @@
-"""``meshlift demo``: one transformer, one plan, every installed backend, the same result.
+"""`meshlift demo`: one transformer, one plan, every installed backend, the same result.
 
 A small character-level transformer language model trains on a text shipped
-with meshlift (``meshlift/data/demo_text.txt``), on 8 simulated CPU devices
-arranged as a ``data`` × ``model`` mesh. It trains once per installed backend
-(``ml.backends()``), from the same initial parameters on the same batches:
+with meshlift (`meshlift/data/demo_text.txt`), on 8 simulated CPU devices
+arranged as a `data` × `model` mesh. It trains once per installed backend
+(`ml.backends()`), from the same initial parameters on the same batches:
 
-- backends that partition automatically (``jit``, ``pjit``: capability
-  ``auto-partitioning``) run the global train step with a tensor-parallel
-  plan: attention heads, the MLP and the vocabulary split over ``model``,
-  the batch over ``data``;
-- backends that run per-shard code (``shard_map``: capability
-  ``manual-collectives``) run the same step on one shard of the batch, with
-  the loss averaged over ``data`` by ``jax.lax.pmean`` inside the
+- backends that partition automatically (`jit`, `pjit`: capability
+  `auto-partitioning`) run the global train step with a tensor-parallel
+  plan: attention heads, the MLP and the vocabulary split over `model`,
+  the batch over `data`;
+- backends that run per-shard code (`shard_map`: capability
+  `manual-collectives`) run the same step on one shard of the batch, with
+  the loss averaged over `data` by `jax.lax.pmean` inside the
   differentiated function, and a plan that replicates the parameters.
 
 Then it prints, per backend, the final loss, the largest difference of any
-parameter from the ``jit`` backend's, the median step time and the parameter
-bytes per device, and ``ml.explain``'s table of the plan. It exits with status 1
-if any backend's parameters differ from ``jit``'s by more than 1e-5.
+parameter from the `jit` backend's, the median step time and the parameter
+bytes per device, and `ml.explain`'s table of the plan. It exits with status 1
+if any backend's parameters differ from `jit`'s by more than 1e-5.
 
-Read it top to bottom as example code::
+Read it top to bottom as example code:
 
-    meshlift demo
-    meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map --json
+```sh
+meshlift demo
+meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map --json
+```
 """
 
 from __future__ import annotations
@@ -129,9 +131,9 @@ def loss_fn(model: CharTransformer, tokens, targets):
 
 
 def make_train_step(data_axis: str | None):
-    """The train step; with ``data_axis`` it runs on one shard of the batch (shard_map).
+    """The train step; with `data_axis` it runs on one shard of the batch (shard_map).
 
-    On a shard, the loss is averaged over ``data_axis`` inside the differentiated
+    On a shard, the loss is averaged over `data_axis` inside the differentiated
     function, so its gradient is the global gradient. (Averaging the gradients
     afterwards would double count under shard_map's check_vma=True, which already
     sums the gradients of replicated parameters over the axis.)
@@ -165,7 +167,7 @@ def load_text() -> np.ndarray:
 
 
 def make_batches(seed: int, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``steps`` batches of (tokens, next tokens) at random places in the text."""
+    """`steps` batches of (tokens, next tokens) at random places in the text."""
     text = load_text()
     rng = np.random.default_rng(seed)
     batches = []

@@ -1,20 +1,26 @@
-"""``ml.explain``: what a plan does to every parameter, checked before anything compiles.
+"""`ml.explain`: what a plan does to every parameter, checked before anything compiles.
 
 One row per array: path, shape, dtype, spec, shards, bytes per device; the
 total per device against the unsharded total; warnings for large replicated
 parameters and for plan filters that matched nothing; and every problem (an
 axis the mesh lacks, an axis used twice, a spec longer than the rank, a
 dimension not divisible) with its path. Only shapes and metadata are read, so
-an abstract model (``nnx.eval_shape``, ``jax.eval_shape``) and a mesh given as
-``{"data": 2, "model": 4}`` work without the devices.
+an abstract model (`nnx.eval_shape`, `jax.eval_shape`) and a mesh given as
+`{"data": 2, "model": 4}` work without the devices.
 
-Example::
+Example:
 
-    import meshlift as ml
+```python
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+import meshlift as ml
 
-    report = ml.explain(model, plan, {"data": 2, "model": 4})
-    print(report)               # a rich table
-    report.check()              # raises ml.PlanError listing every problem
+model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+report = ml.explain(model, plan, {"data": 2, "model": 4})
+print(report)               # a rich table
+report.check()              # raises ml.PlanError listing every problem
+```
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """The result of ``ml.explain``: rows, totals, warnings and problems; prints as a table."""
+    """The result of `ml.explain`: rows, totals, warnings and problems; prints as a table."""
 
     mesh_shape: dict[str, int]
     rows: tuple[Row, ...]
@@ -64,7 +70,7 @@ class Explanation:
 
     @property
     def problems(self) -> list[tuple[str, str]]:
-        """``(path, problem)`` for every problem of every row."""
+        """`(path, problem)` for every problem of every row."""
         return [(row.path, p) for row in self.rows for p in row.problems]
 
     @property
@@ -80,7 +86,7 @@ class Explanation:
         return sum(row.bytes_per_device for row in self.rows)
 
     def check(self) -> Explanation:
-        """Raise one ``ml.PlanError`` listing every problem; return self if there are none."""
+        """Raise one `ml.PlanError` listing every problem; return self if there are none."""
         if self.problems:
             raise PlanError(
                 f"the plan does not fit {len(self.problems)} time(s) on mesh {self.mesh_shape}:\n  "
@@ -93,7 +99,7 @@ class Explanation:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``--json``."""
+        """Plain data for `--json`."""
         return {
             "mesh": self.mesh_shape,
             "rows": [
@@ -165,16 +171,26 @@ def explain(
 ) -> Explanation:
     """Explain a plan on a mesh, one row per array, validating without compiling.
 
-    ``plan_or_rules`` is a ``StateSharding``, a nested mapping / ``nnx.State`` of
-    specs, one ``PartitionSpec`` for everything, a list of logical axis rules
+    `plan_or_rules` is a `StateSharding`, a nested mapping / `nnx.State` of
+    specs, one `PartitionSpec` for everything, a list of logical axis rules
     applied to the model's annotations, or None for the annotations as they
-    are. ``mesh`` is a Mesh or ``{"data": 2, "model": 4}``; default: the mesh of
-    ``ml.use_mesh``. Print the result for the table; ``.check()`` raises.
+    are. `mesh` is a Mesh or `{"data": 2, "model": 4}`; default: the mesh of
+    `ml.use_mesh`. Print the result for the table; `.check()` raises.
 
-    Example::
+    Example:
 
-        print(ml.explain(model, plan, mesh))
-        print(ml.explain(abstract_variables, [("batch", "data"), ("hidden", "model")], mesh))
+    ```python
+    mesh = {"data": 2, "model": 4}            # or a Mesh
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    print(ml.explain(model, plan, mesh))
+
+    init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+    abstract_variables = nnx.eval_shape(
+        lambda: nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+    )
+    print(ml.explain(abstract_variables, [("batch", "data"), ("hidden", "model")], mesh))
+    ```
     """
     mesh_shape = _mesh_shape(mesh)
     items = annotated_leaves(model_or_tree)

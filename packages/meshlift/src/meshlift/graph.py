@@ -1,15 +1,15 @@
 """Split and merge: the NNX graph nodes of a call's arguments <-> a flat tuple of arrays.
 
-``GraphSplit`` flattens the caller's graph nodes once and keeps that view
+`GraphSplit` flattens the caller's graph nodes once and keeps that view
 while their structure is unchanged; per call it gathers the arrays out of
 the Variables and scatters new ones back. Inside the traced function,
-``Rebuilt`` makes fresh nodes around the tracers and, after the user's
-function ran, ``Rebuilt.changes`` says what happened to them: new values
+`Rebuilt` makes fresh nodes around the tracers and, after the user's
+function ran, `Rebuilt.changes` says what happened to them: new values
 only, or a new graph (a swap, a replaced submodule, a new attribute) that
-``apply_graph_update`` carries back the way ``nnx.jit``'s graph mode does:
+`apply_graph_update` carries back the way `nnx.jit`'s graph mode does:
 the caller's nodes re-pointed, no value copied into an object that was
-replaced. Graph nodes in outputs go through ``encode_outputs`` and
-``decode_outputs``.
+replaced. Graph nodes in outputs go through `encode_outputs` and
+`decode_outputs`.
 
 Example:
 
@@ -58,13 +58,18 @@ def flatten(node: Any, **kwargs: Any) -> tuple[Any, Any]:
 
 
 def variable_paths(node: Any) -> list[tuple[Path, Any]]:
-    """(path, Variable) for every path of ``node``: a shared Variable or module once per path.
+    """(path, Variable) for every path of `node`: a shared Variable or module once per path.
 
     Example:
 
     ```python
+    from meshlift.graph import variable_paths
+
+    model = nnx.Module()
+    model.embed = nnx.Embed(10, 4, rngs=nnx.Rngs(0))
     model.head = model.embed                   # tied
-    [p for p, _ in variable_paths(model)]      # [('embed', 'embedding'), ('head', 'embedding')]
+    paths = [p for p, _ in variable_paths(model)]
+    assert paths == [("embed", "embedding"), ("head", "embedding")]
     ```
     """
     _, flat = flatten(node)
@@ -89,7 +94,7 @@ class GraphSplit:
     """The flat view of a tuple of the caller's graph nodes: their leaves in a fixed order.
 
     Leaves are Variables (shared ones once) and arrays stored directly on a
-    module (``nnx.data``). ``key`` is a fingerprint of the structure (types,
+    module (`nnx.data`). `key` is a fingerprint of the structure (types,
     static attributes by content, Variable metadata), never of identities, so
     two models of the same structure share compiled code. A split holds no
     reference to the caller's top-level nodes: it never keeps a dropped model alive.
@@ -137,8 +142,8 @@ class GraphSplit:
     ) -> None:
         """Write each value at its split position (validated by the caller).
 
-        A Variable takes the value; an array stored on a module (``nnx.data``) is
-        replaced on its parent, found from ``nodes`` (this call's top-level nodes).
+        A Variable takes the value; an array stored on a module (`nnx.data`) is
+        replaced on its parent, found from `nodes` (this call's top-level nodes).
         """
         leaves, homes = self.leaves, self._homes
         write = self._slots.write if self.fast else _set_raw_value
@@ -159,7 +164,7 @@ class GraphSplit:
             self._watcher.snapshot()
 
     def index_map(self, nodes: tuple[Any, ...]) -> graphlib.IndexMap:
-        """Graph index -> the caller's node (``nodes`` are this call's top-level nodes)."""
+        """Graph index -> the caller's node (`nodes` are this call's top-level nodes)."""
         index_map = graphlib.IndexMap(self._inner)
         index_map.update(
             (i, n) for i, n in zip(self._top_index, nodes, strict=True) if i is not None
@@ -172,7 +177,7 @@ def _set_raw_value(variable: Any, value: Any) -> None:
 
 
 def _home(nodes: tuple[Any, ...], path: Path) -> tuple[int | None, Any, Any]:
-    """Where the array at ``path`` is stored: a top-level node's position, or its parent."""
+    """Where the array at `path` is stored: a top-level node's position, or its parent."""
     if len(path) == 2:
         return path[0], None, path[1]
     parent = nodes[path[0]]
@@ -185,7 +190,7 @@ def _home(nodes: tuple[Any, ...], path: Path) -> tuple[int | None, Any, Any]:
 
 
 class Rebuilt:
-    """Fresh nodes of a split's structure around ``values`` (tracers), and what became of them."""
+    """Fresh nodes of a split's structure around `values` (tracers), and what became of them."""
 
     def __init__(self, graphdef: Any, values: Sequence[Any]):
         index_ref = graphlib.IndexMap()
@@ -196,12 +201,12 @@ class Rebuilt:
     def changes(
         self, unchanged_graphdef: Any, leaf_position: dict[int, int], arrays: Sequence[int]
     ) -> tuple[graphlib.RefMap, list[Any], GraphUpdate | None]:
-        """The nodes' index, their leaves now, and a ``GraphUpdate`` if more than values changed.
+        """The nodes' index, their leaves now, and a `GraphUpdate` if more than values changed.
 
-        ``unchanged_graphdef`` is the split's graphdef with outer indices equal to
+        `unchanged_graphdef` is the split's graphdef with outer indices equal to
         its own: equal to the new one exactly when only values changed.
-        ``leaf_position`` maps a caller Variable's graph index to its split position;
-        ``arrays`` are the split positions of arrays stored directly on modules, which
+        `leaf_position` maps a caller Variable's graph index to its split position;
+        `arrays` are the split positions of arrays stored directly on modules, which
         only a graph update can write back.
         """
         ref_index = graphlib.RefMap()
@@ -226,8 +231,8 @@ class Rebuilt:
 class GraphUpdate:
     """A new graph for the caller's nodes, found while tracing; applied after the call.
 
-    ``sources[j]`` is the split position of the caller's Variable that new leaf
-    ``j`` is (it keeps that Variable's sharding), or None for a new one.
+    `sources[j]` is the split position of the caller's Variable that new leaf
+    `j` is (it keeps that Variable's sharding), or None for a new one.
     """
 
     def __init__(
@@ -242,7 +247,7 @@ class GraphUpdate:
     def check_metadata(self, before: Any, names: Sequence[str]) -> None:
         """Refuse if the function changed the metadata of a caller's Variable (not carried back).
 
-        ``before`` is the split's graphdef; ``names[k]`` names top-level node ``k``.
+        `before` is the split's graphdef; `names[k]` names top-level node `k`.
         """
         old = {
             nodedef.index: nodedef.metadata
@@ -294,7 +299,7 @@ class OutputNodes:
 def encode_outputs(out: Any, ref_index: graphlib.RefMap) -> tuple[Any, OutputNodes]:
     """Replace graph nodes in the output by the tuple of their arrays.
 
-    ``ref_index`` holds the arguments' nodes after the call, so an output node
+    `ref_index` holds the arguments' nodes after the call, so an output node
     that is (or holds) an argument becomes a reference to it.
     """
     leaves, treedef = jax.tree.flatten(out, is_leaf=is_graph_leaf)
@@ -309,9 +314,9 @@ def encode_outputs(out: Any, ref_index: graphlib.RefMap) -> tuple[Any, OutputNod
 
 
 def decode_outputs(user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexMap) -> Any:
-    """Rebuild graph nodes in the output; references to arguments resolve through ``index_map``.
+    """Rebuild graph nodes in the output; references to arguments resolve through `index_map`.
 
-    ``index_map`` is the caller's fresh map: the nodes rebuilt here are added to it.
+    `index_map` is the caller's fresh map: the nodes rebuilt here are added to it.
     """
     if not nodes.graphdefs:
         return user_out
@@ -322,7 +327,7 @@ def decode_outputs(user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexM
 
 
 def abstract_index_map(graphdef: Any, values: Sequence[Any]) -> graphlib.IndexMap:
-    """An index map over abstract copies of a split's nodes (for ``eval_shape``)."""
+    """An index map over abstract copies of a split's nodes (for `eval_shape`)."""
     index_ref = graphlib.IndexMap()
     nnx.graph.unflatten(graphdef, list(values), index_ref=index_ref)
     return index_ref

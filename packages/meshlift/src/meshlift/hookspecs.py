@@ -1,19 +1,23 @@
 """The plugin contract: every hook meshlift calls, read top to bottom.
 
-A plugin is a module (or object) with functions marked ``@meshlift.hookimpl``
-whose names match the specs below, published under the ``meshlift``
-entry-point group::
+A plugin is a module (or object) with functions marked `@meshlift.hookimpl`
+whose names match the specs below, published under the `meshlift`
+entry-point group:
 
-    # pyproject.toml of a backend distribution
-    [project.entry-points.meshlift]
-    my_backend = "my_backend_package"
+```toml
+# pyproject.toml of a backend distribution
+[project.entry-points.meshlift]
+my_backend = "my_backend_package"
+```
 
-    # my_backend_package/__init__.py
-    import meshlift as ml
+```python
+# my_backend_package/__init__.py
+import meshlift as ml
 
-    @ml.hookimpl
-    def meshlift_register_backends(register):
-        register(ml.Backend(name="my-backend", stage=my_stage))
+@ml.hookimpl
+def meshlift_register_backends(register):
+    register(ml.Backend(name="my-backend", stage=my_stage))
+```
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ hookimpl = pluggy.HookimplMarker("meshlift")
 
 @hookspec
 def meshlift_register_backends(register: Callable[[Backend], None]) -> None:
-    """Register backends by calling ``register(backend)`` once per backend.
+    """Register backends by calling `register(backend)` once per backend.
 
     Called once, when the registry is first used. Registering two backends
     with the same name is an error that names both distributions.

@@ -1,17 +1,32 @@
 """The one lifted transform every backend shares.
 
-``Lifted`` keeps two caches: argument layouts, keyed by where every graph node
+`Lifted` keeps two caches: argument layouts, keyed by where every graph node
 sits among the arguments and which objects they are (held weakly, dropped
 with the model), and staged functions, keyed by structure only (a fingerprint,
-never an identity) and shared by every ``Lifted`` of the same function and
-options, as ``jax.jit`` shares its cache between wrappers. A call gathers
+never an identity) and shared by every `Lifted` of the same function and
+options, as `jax.jit` shares its cache between wrappers. A call gathers
 arrays, calls, validates every write, then writes back: all or nothing.
 
 Example:
 
 ```python
-step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, P("data")))
-loss = step(model, batch)       # model's parameters are updated in place
+import jax.numpy as jnp, optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+import meshlift as ml
+
+mesh = ml.make_mesh({"data": 2, "model": 4})
+model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+
+def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, plan, P("data")))
+loss = step(model, optimizer, jnp.ones((8, 16)))   # model's parameters are updated in place
 ```
 """
 
@@ -61,17 +76,17 @@ _STAGED_OUTPUT = re.compile(r"\b(out_specs|out_shardings)((?:\[\d+\])+)")
 class Lifted:
     """A function lifted over stateful arguments, staged by one backend.
 
-    Made by ``ml.transform`` (the front ends ``ml.jit``, ``ml.shard_map`` and
-    ``ml.pjit`` go through it). Calling it runs the staged function and writes
-    updated Variables back; ``trace``, ``lower`` and ``eval_shape`` give JAX's
+    Made by `ml.transform` (the front ends `ml.jit`, `ml.shard_map` and
+    `ml.pjit` go through it). Calling it runs the staged function and writes
+    updated Variables back; `trace`, `lower` and `eval_shape` give JAX's
     stages, wrapped so that compiled objects are called with modules too.
 
-    ``mesh`` is a mesh, a function returning one at each call (how a backend
-    reads a call-site context), or None for the mesh of ``ml.use_mesh``.
-    ``spec_names`` are the front end's names for the specs, used in errors.
-    ``meshless_specs``, if given, are ``(in_specs, out_specs)`` for a call with
+    `mesh` is a mesh, a function returning one at each call (how a backend
+    reads a call-site context), or None for the mesh of `ml.use_mesh`.
+    `spec_names` are the front end's names for the specs, used in errors.
+    `meshless_specs`, if given, are `(in_specs, out_specs)` for a call with
     no mesh in context, where a front end reads its specs differently then
-    (old ``pjit``'s ``None``: replicated on the mesh, else the compiler's choice).
+    (old `pjit`'s `None`: replicated on the mesh, else the compiler's choice).
     """
 
     def __init__(
@@ -125,13 +140,13 @@ class Lifted:
         return layout.run(layout.staged, call)
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
-        """Trace for these arguments; ``.lower()`` continues. Nothing is written back."""
+        """Trace for these arguments; `.lower()` continues. Nothing is written back."""
         layout, call = self._layout(args, kwargs)
         with layout.named_errors():
             return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Lower for these arguments; ``.compile()`` gives a ``Compiled`` called like this
+        """Lower for these arguments; `.compile()` gives a `Compiled` called like this
         function, without the static arguments (they are part of the program)."""
         layout, call = self._layout(args, kwargs)
         with layout.named_errors():
@@ -148,7 +163,7 @@ class Lifted:
         return getattr(self.fun, "__name__", "the lifted function")
 
     def specs_on(self, mesh: Any) -> tuple[Any, Any]:
-        """``(in_specs, out_specs)`` for a call on ``mesh`` (None: no mesh in context)."""
+        """`(in_specs, out_specs)` for a call on `mesh` (None: no mesh in context)."""
         if mesh is None and self.meshless_specs is not None:
             return self.meshless_specs
         return self.in_specs, self.out_specs
@@ -179,7 +194,7 @@ class Lifted:
     def _layout(self, args: tuple, kwargs: dict, mesh: Any = None) -> tuple[_Layout, _Call]:
         """The layout for these arguments (made if new or stale), and this call's leaves.
 
-        ``mesh`` overrides the call-site lookup (a compiled object keeps its mesh).
+        `mesh` overrides the call-site lookup (a compiled object keeps its mesh).
         """
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
@@ -202,7 +217,7 @@ class Lifted:
         return layout, call
 
     def _call_site_mesh(self) -> Any:
-        """``mesh=`` if given (called, if it is a function), else the ``ml.use_mesh`` mesh."""
+        """`mesh=` if given (called, if it is a function), else the `ml.use_mesh` mesh."""
         if self.mesh is None:
             return current_mesh()
         if isinstance(self.mesh, Mesh | AbstractMesh):
@@ -210,7 +225,7 @@ class Lifted:
         return self.mesh()
 
     def _stage(self, key: Hashable, make_pure: Callable[[], Any], spec: StageSpec) -> Any:
-        """The staged function for ``key``, staged by the backend the first time."""
+        """The staged function for `key`, staged by the backend the first time."""
         staged = self._staged.get(key)
         if staged is None:
             try:
@@ -326,10 +341,10 @@ class PureFunction:
     """The function handed to a backend: arrays in, arrays out, no reference to a caller's object.
 
     Takes four tuples (kept Variables, kept other leaves, donated Variables,
-    donated other leaves) and returns ``(variables, extra, output, aux)``: one
-    entry per Variable of the split (``None`` where tracing found it unchanged),
+    donated other leaves) and returns `(variables, extra, output, aux)`: one
+    entry per Variable of the split (`None` where tracing found it unchanged),
     the leaves of Variables the function created (on a graph update), the
-    output with graph nodes replaced by their arrays, and an ``_Aux``.
+    output with graph nodes replaced by their arrays, and an `_Aux`.
     """
 
     def __init__(self, lifted: Lifted, layout: _Layout):
@@ -495,7 +510,7 @@ class _Layout:
         return self.inputs(_onto(values, self.var_shardings) or values, call)
 
     def run(self, staged: Any, call: _Call) -> Any:
-        """Call ``staged``; then, all or nothing, write back and rebuild graph nodes in the output.
+        """Call `staged`; then, all or nothing, write back and rebuild graph nodes in the output.
 
         The first call of a layout also places Variables onto the plan, once it
         has succeeded. A Variable given an array on another sharding since (JAX
@@ -527,7 +542,7 @@ class _Layout:
 
     def _refuse_misplaced_leaves(self, call: _Call) -> None:
         """Refuse, naming it, an argument array committed to a sharding other than its spec's
-        (``jax.jit`` refuses it too; meshlift does not move the caller's arrays)."""
+        (`jax.jit` refuses it too; meshlift does not move the caller's arrays)."""
         for pos in self.dyn_pos:
             leaf, sharding = call.leaves[pos], self.dyn_shardings[pos]
             if (
@@ -558,7 +573,7 @@ class _Layout:
 
     def rename_staged(self, error: BaseException) -> None:
         """Put the caller's names in a JAX error that names the staged function's inputs
-        (``kept_dyn[0]``) or output specs (``out_specs[0][3]``)."""
+        (`kept_dyn[0]`) or output specs (`out_specs[0][3]`)."""
         if len(error.args) != 1 or not isinstance(error.args[0], str):
             return
         text = _STAGED_INPUT.sub(self._input_name, error.args[0])
@@ -576,7 +591,7 @@ class _Layout:
         return f"`{format_path(self.leaf_paths[positions[j]])}`"
 
     def _output_name(self, match: re.Match[str]) -> str:
-        """``[0][i]``: the Variable at split position i; ``[2]...``: the caller's output."""
+        """`[0][i]`: the Variable at split position i; `[2]...`: the caller's output."""
         where, *rest = (int(i) for i in re.findall(r"\d+", match.group(2)))
         if where == 0 and len(rest) == 1 and rest[0] < len(self.split.paths):
             return f"the Variable `{format_path(self._variable_path(rest[0]))}` (written back)"
@@ -621,8 +636,8 @@ class _Layout:
     ) -> None:
         """Refuse to put an outer transform's tracers into Variables that live outside it.
 
-        ``positions[j]`` is the split position ``new[j]`` goes to; None for a leaf made
-        inside (at ``new_paths[j]``), outside if the caller's nodes are.
+        `positions[j]` is the split position `new[j]` goes to; None for a leaf made
+        inside (at `new_paths[j]`), outside if the caller's nodes are.
         """
         tracer = jax.core.Tracer
         if not any(map(isinstance, new, itertools.repeat(tracer))):
@@ -667,8 +682,8 @@ class _Layout:
 
     # -- stages in the caller's terms -------------------------------------------------------
     def as_arguments(self, tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """A tree over the staged inputs (avals, shardings...) as the caller's ``(args,
-        kwargs)``, static ones left out, each graph node an ``nnx.State`` by Variable path."""
+        """A tree over the staged inputs (avals, shardings...) as the caller's `(args,
+        kwargs)`, static ones left out, each graph node an `nnx.State` by Variable path."""
         kept_vars, kept_dyn, donated_vars, donated_dyn = tree[0]
         variables = self.var_groups[0] + self.var_groups[1]
         per_variable = dict(zip(variables, (*kept_vars, *donated_vars), strict=True))
@@ -683,7 +698,7 @@ class _Layout:
 
     @staticmethod
     def as_output(tree: Any) -> Any:
-        """A tree over the staged outputs as the caller's output, graph nodes as ``nnx.State``."""
+        """A tree over the staged outputs as the caller's output, graph nodes as `nnx.State`."""
         _, _, user_out, aux = tree
         info = aux.info
         nodes = info.outputs
@@ -698,7 +713,7 @@ class _Layout:
         return self._abstract_outputs(self.staged, call)[0]
 
     def _abstract_outputs(self, fun: Callable[..., Any], call: _Call) -> tuple[Any, _TraceInfo]:
-        """``fun``'s output, graph nodes rebuilt as abstract modules, and what tracing found."""
+        """`fun`'s output, graph nodes rebuilt as abstract modules, and what tracing found."""
         values = [_abstract(v) for v in self.split.gather()]
         evaluate = getattr(fun, "eval_shape", None) or functools.partial(jax.eval_shape, fun)
         var_out, extra, user_out, aux = evaluate(*self.inputs(values, call))
@@ -769,17 +784,30 @@ def transform(
     donate_argnames: str | Iterable[str] | None = None,
     **options: Any,
 ) -> Any:
-    """Lift ``fun`` with any backend, by name or object, using the unified argument names.
+    """Lift `fun` with any backend, by name or object, using the unified argument names.
 
-    ``in_specs``/``out_specs`` are pytree prefixes of the positional arguments
-    and the output, with ``PartitionSpec``, ``NamedSharding``, ``None`` or
-    ``StateSharding`` leaves. Other keyword options go to the backend.
+    `in_specs`/`out_specs` are pytree prefixes of the positional arguments
+    and the output, with `PartitionSpec`, `NamedSharding`, `None` or
+    `StateSharding` leaves. Other keyword options go to the backend.
 
     Example:
 
     ```python
-    step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, P("data")),
+    import optax
+
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, plan, P("data")),
                         out_specs=P())
+    loss = step(model, optimizer, jnp.ones((8, 16)))
     ```
     """
     kwargs = dict(
@@ -810,7 +838,7 @@ _STAGES: weakref.WeakKeyDictionary[Any, dict[Hashable, dict[Hashable, Any]]] = (
 
 
 def _shared_stages(fun: Callable[..., Any], options_key: Hashable | None) -> dict[Hashable, Any]:
-    """The staged functions of every ``Lifted`` of ``fun`` with these options."""
+    """The staged functions of every `Lifted` of `fun` with these options."""
     if options_key is None:
         return {}
     try:
@@ -836,14 +864,14 @@ def _checked_specs(specs: Any, what: str) -> Any:
 
 
 def _picker(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """A function taking the items at ``positions`` out of a sequence, as a tuple."""
+    """A function taking the items at `positions` out of a sequence, as a tuple."""
     if len(positions) > 1:
         return operator.itemgetter(*positions)
     return lambda items: tuple(items[i] for i in positions)
 
 
 def _updatable(leaf: Any) -> bool:
-    """Whether ``leaf`` may take a value of the current trace: a Variable flax lets update,
+    """Whether `leaf` may take a value of the current trace: a Variable flax lets update,
     or an array stored on a module that is itself a tracer (the module lives in the trace)."""
     if hasattr(leaf, "get_raw_value"):  # a Variable
         return compat.can_update(leaf)
@@ -859,7 +887,7 @@ def _partition(items: Iterable[int], flags: list[bool]) -> tuple[tuple[int, ...]
 
 
 def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
-    """``values`` with each array not on its sharding moved there; None if none had to move.
+    """`values` with each array not on its sharding moved there; None if none had to move.
 
     Tracers (an outer trace) are never moved: they are not the caller's arrays.
     """
@@ -893,7 +921,7 @@ def _pass_key(leaf: Any) -> Any:
 
 
 def _weak(fun: Callable[..., Any]) -> Callable[[], Any]:
-    """A weak reference to ``fun``, or a strong one where it cannot be weakly referenced."""
+    """A weak reference to `fun`, or a strong one where it cannot be weakly referenced."""
     try:
         return weakref.ref(fun)
     except TypeError:
@@ -901,7 +929,7 @@ def _weak(fun: Callable[..., Any]) -> Callable[[], Any]:
 
 
 def _as_state(flat: dict[Path, Any]) -> Any:
-    """One graph node's entries by path as an ``nnx.State`` (a Variable passed alone: its entry)."""
+    """One graph node's entries by path as an `nnx.State` (a Variable passed alone: its entry)."""
     if list(flat) == [()]:
         return flat[()]
     return nnx.State.from_flat_path(flat)

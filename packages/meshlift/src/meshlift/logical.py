@@ -1,22 +1,24 @@
 """Logical axis rules: name array dimensions once, map the names to mesh axes in one place.
 
-Rules are an ordered list of ``(logical_name, mesh_axes)`` pairs. A logical
+Rules are an ordered list of `(logical_name, mesh_axes)` pairs. A logical
 name may appear several times, as fallbacks. Rules are applied in order: a
 rule gives its mesh axes to its dimension if that dimension has none yet, the
 axes exist (in the mesh, when a mesh is known) and no other dimension of the
 same array already uses them. A name with no rule is replicated, and no spec
 ever uses a mesh axis twice (flax's linen semantics; NNX's resolver can
-return ``P('model', 'model')``).
+return `P('model', 'model')`).
 
-Example::
+Example:
 
-    import meshlift as ml
-    from jax.sharding import PartitionSpec as P
+```python
+import meshlift as ml
+from jax.sharding import PartitionSpec as P
 
-    rules = [("embed", "data"), ("embed", "model"), ("mlp", "model")]
-    assert ml.logical_to_mesh(("mlp", "embed"), rules) == P("model", "data")
-    with ml.axis_rules(rules):
-        assert ml.logical_to_mesh(P("embed", "vocab")) == P("data", None)
+rules = [("embed", "data"), ("embed", "model"), ("mlp", "model")]
+assert ml.logical_to_mesh(("mlp", "embed"), rules) == P("model", "data")
+with ml.axis_rules(rules):
+    assert ml.logical_to_mesh(P("embed", "vocab")) == P("data", None)
+```
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _RULES: contextvars.ContextVar[tuple[tuple[str, MeshAxes], ...] | None] = contex
 
 
 def check_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
-    """``rules`` as a tuple of ``(name, mesh_axes)`` pairs; a TypeError saying what is wrong."""
+    """`rules` as a tuple of `(name, mesh_axes)` pairs; a TypeError saying what is wrong."""
     if isinstance(rules, str | Mapping) or not isinstance(rules, Sequence):
         raise TypeError(
             f"axis rules must be a list of (logical_name, mesh_axes) pairs, got "
@@ -72,12 +74,19 @@ def check_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
 
 @contextlib.contextmanager
 def axis_rules(rules: Rules) -> Iterator[tuple[tuple[str, MeshAxes], ...]]:
-    """Set the logical axis rules for the block (flax's ``nn.logical_axis_rules`` too).
+    """Set the logical axis rules for the block (flax's `nn.logical_axis_rules` too).
 
-    Example::
+    Example:
 
-        with ml.axis_rules([("batch", "data"), ("hidden", "model")]):
-            specs = ml.get_partition_spec(abstract_variables)   # logical names resolved
+    ```python
+    init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+    abstract_variables = nnx.eval_shape(
+        lambda: nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+    )
+    with ml.axis_rules([("batch", "data"), ("hidden", "model")]):
+        specs = ml.get_partition_spec(abstract_variables)   # logical names resolved
+    assert specs["kernel"].get_value() == P(None, "model")
+    ```
     """
     checked = check_rules(rules)
     token = _RULES.set(checked)
@@ -89,7 +98,7 @@ def axis_rules(rules: Rules) -> Iterator[tuple[tuple[str, MeshAxes], ...]]:
 
 
 def current_rules() -> tuple[tuple[str, MeshAxes], ...] | None:
-    """The rules of the innermost ``ml.axis_rules`` block, else None."""
+    """The rules of the innermost `ml.axis_rules` block, else None."""
     return _RULES.get()
 
 
@@ -113,16 +122,18 @@ def logical_to_mesh_axes(
     *,
     mesh: Any = None,
 ) -> PartitionSpec | None:
-    """The mesh ``PartitionSpec`` for one array whose dimensions have logical ``names``.
+    """The mesh `PartitionSpec` for one array whose dimensions have logical `names`.
 
-    ``rules`` default to those of ``ml.axis_rules``. With a ``mesh`` (a Mesh or
-    ``{"data": 2, ...}``), a rule whose mesh axes the mesh lacks is skipped, so
+    `rules` default to those of `ml.axis_rules`. With a `mesh` (a Mesh or
+    `{"data": 2, ...}`), a rule whose mesh axes the mesh lacks is skipped, so
     a later fallback applies.
 
-    Example::
+    Example:
 
-        rules = [("embed", "data"), ("embed", "model"), ("mlp", "model")]
-        assert ml.logical_to_mesh_axes(("mlp", "embed"), rules) == P("model", "data")
+    ```python
+    rules = [("embed", "data"), ("embed", "model"), ("mlp", "model")]
+    assert ml.logical_to_mesh_axes(("mlp", "embed"), rules) == P("model", "data")
+    ```
     """
     if names is None:
         return None
@@ -164,12 +175,14 @@ def _is_logical_leaf(x: Any) -> bool:
 
 
 def logical_to_mesh(specs: Any, rules: Rules | None = None, *, mesh: Any = None) -> Any:
-    """Map logical specs to mesh specs: one spec, or a pytree of them (``P`` or name tuples).
+    """Map logical specs to mesh specs: one spec, or a pytree of them (`P` or name tuples).
 
-    Example::
+    Example:
 
-        ml.logical_to_mesh({"w": P("embed", "mlp"), "b": P("mlp")}, [("mlp", "model")])
-        # {'w': P(None, 'model'), 'b': P('model',)}
+    ```python
+    specs = ml.logical_to_mesh({"w": P("embed", "mlp"), "b": P("mlp")}, [("mlp", "model")])
+    assert specs == {"w": P(None, "model"), "b": P("model")}
+    ```
     """
     rules = _resolve_rules(rules)
     if _is_logical_leaf(specs):
@@ -180,12 +193,15 @@ def logical_to_mesh(specs: Any, rules: Rules | None = None, *, mesh: Any = None)
 
 
 def logical_to_mesh_sharding(specs: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
-    """Like ``logical_to_mesh``, giving a ``NamedSharding`` on ``mesh`` per spec.
+    """Like `logical_to_mesh`, giving a `NamedSharding` on `mesh` per spec.
 
-    Example::
+    Example:
 
-        ml.logical_to_mesh_sharding(P("batch", "hidden"), mesh, [("batch", "data")])
-        # NamedSharding(mesh, P('data', None))
+    ```python
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    sharding = ml.logical_to_mesh_sharding(P("batch", "hidden"), mesh, [("batch", "data")])
+    assert sharding == jax.NamedSharding(mesh, P("data", None))
+    ```
     """
     resolved = logical_to_mesh(specs, rules, mesh=mesh)
     return jax.tree.map(
@@ -198,18 +214,21 @@ def logical_to_mesh_sharding(specs: Any, mesh: Mesh, rules: Rules | None = None)
 def with_logical_constraint(
     x: Any, names: Any, rules: Rules | None = None, *, mesh: Mesh | None = None
 ) -> Any:
-    """``jax.lax.with_sharding_constraint`` with logical dimension names.
+    """`jax.lax.with_sharding_constraint` with logical dimension names.
 
-    The mesh is ``mesh=``, else the one of ``ml.use_mesh`` (``jax.set_mesh``),
-    else the deprecated ``with mesh:`` context; with none, ``x`` is returned
+    The mesh is `mesh=`, else the one of `ml.use_mesh` (`jax.set_mesh`),
+    else the deprecated `with mesh:` context; with none, `x` is returned
     unchanged (one device: nothing to constrain); with no rules at all, too (as in
-    flax). A name without a rule is replicated. ``x`` may be a pytree, with
-    ``names`` a matching tree of name tuples.
+    flax). A name without a rule is replicated. `x` may be a pytree, with
+    `names` a matching tree of name tuples.
 
-    Example::
+    Example:
 
-        with ml.use_mesh(mesh), ml.axis_rules([("batch", "data")]):
-            y = ml.with_logical_constraint(y, ("batch", "embed"))   # P('data', None)
+    ```python
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    with ml.use_mesh(mesh), ml.axis_rules([("batch", "data")]):
+        y = ml.with_logical_constraint(jnp.ones((8, 16)), ("batch", "embed"))   # P('data', None)
+    ```
     """
     mesh = mesh if mesh is not None else current_mesh(legacy=True)
     rules = _resolve_rules(rules)

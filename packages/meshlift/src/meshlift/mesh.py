@@ -1,12 +1,14 @@
 """Meshes: making them and setting the call-site mesh.
 
-Example::
+Example:
 
-    import meshlift as ml
+```python
+import meshlift as ml
 
-    mesh = ml.make_mesh({"data": 2, "model": 4})
-    with ml.use_mesh(mesh):
-        ...  # bare PartitionSpecs in plans resolve against `mesh`
+mesh = ml.make_mesh({"data": 2, "model": 4})
+with ml.use_mesh(mesh):
+    ...  # bare PartitionSpecs in plans resolve against `mesh`
+```
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     axis_types: Sequence[AxisType] | None = None,
 ) -> Mesh:
-    """Make a device mesh with ``Auto`` axis types (``jax.make_mesh`` defaults to Explicit).
+    """Make a device mesh with `Auto` axis types (`jax.make_mesh` defaults to Explicit).
 
-    ``axis_shapes`` is ``{"data": 2, "model": 4}`` or ``(2, 4)`` with ``axis_names``.
-    A mesh smaller than the device count uses the first devices, as ``jax.make_mesh`` does.
+    `axis_shapes` is `{"data": 2, "model": 4}` or `(2, 4)` with `axis_names`.
+    A mesh smaller than the device count uses the first devices, as `jax.make_mesh` does.
 
-    Example::
+    Example:
 
-        mesh = ml.make_mesh({"data": 2, "model": 4})
-        assert mesh.shape == {"data": 2, "model": 4}
+    ```python
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    assert mesh.shape == {"data": 2, "model": 4}
+    ```
     """
     if isinstance(axis_shapes, Mapping):
         if axis_names is not None:
@@ -68,12 +72,16 @@ def make_mesh(
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
-    """Set the call-site mesh for every backend (``jax.set_mesh`` underneath).
+    """Set the call-site mesh for every backend (`jax.set_mesh` underneath).
 
-    Example::
+    Example:
 
-        with ml.use_mesh(mesh):
-            step(model, batch)   # bare PartitionSpecs resolve against `mesh`
+    ```python
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    double, x = ml.jit(lambda x: 2 * x, in_shardings=P("data")), jnp.arange(8.0)
+    with ml.use_mesh(mesh):
+        double(x)   # bare PartitionSpecs resolve against `mesh`
+    ```
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"use_mesh takes a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -84,8 +92,8 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
 def current_mesh(*, legacy: bool = False) -> Mesh | None:
     """The mesh in context at the call site, also inside traces; None if there is none.
 
-    That is the mesh of ``ml.use_mesh`` / ``jax.set_mesh``; with ``legacy=True``,
-    else the mesh of the deprecated ``with mesh:`` context (what old ``pjit``
+    That is the mesh of `ml.use_mesh` / `jax.set_mesh`; with `legacy=True`,
+    else the mesh of the deprecated `with mesh:` context (what old `pjit`
     code declares). Every part of meshlift looks the mesh up here.
     """
     mesh = compat.concrete_mesh()

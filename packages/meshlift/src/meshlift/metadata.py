@@ -1,23 +1,27 @@
 """Sharding metadata: annotate parameters where they are made, read the plan back from them.
 
-One API for NNX and linen. ``ml.with_partitioning`` wraps an initializer: in
-an NNX module the Variable gets flax's ``out_sharding`` metadata; in a linen
-module the value is boxed in flax's ``nn.Partitioned`` (``with_logical_partitioning``:
-``nn.LogicallyPartitioned``). Annotations made by flax's own functions read the same.
+One API for NNX and linen. `ml.with_partitioning` wraps an initializer: in
+an NNX module the Variable gets flax's `out_sharding` metadata; in a linen
+module the value is boxed in flax's `nn.Partitioned` (`with_logical_partitioning`:
+`nn.LogicallyPartitioned`). Annotations made by flax's own functions read the same.
 
-The tree functions accept NNX modules, ``nnx.State``, linen variable dicts
-with boxes, ``TrainState``s and ``jax.eval_shape`` outputs.
+The tree functions accept NNX modules, `nnx.State`, linen variable dicts
+with boxes, `TrainState`s and `jax.eval_shape` outputs.
 
-Example::
+Example:
 
-    import jax, meshlift as ml
-    from flax import nnx
+```python
+import jax, meshlift as ml
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-    init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-    layer = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
-    specs = ml.get_partition_spec(layer)          # nnx.State of specs
-    assert specs["kernel"].get_value() == P(None, "model")
-    shardings = ml.get_sharding(layer, mesh)      # NamedShardings, checked against the mesh
+init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+layer = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+specs = ml.get_partition_spec(layer)          # nnx.State of specs
+assert specs["kernel"].get_value() == P(None, "model")
+mesh = ml.make_mesh({"data": 2, "model": 4})
+shardings = ml.get_sharding(layer, mesh)      # NamedShardings, checked against the mesh
+```
 """
 
 from __future__ import annotations
@@ -61,18 +65,22 @@ __all__ = [
 def with_partitioning(
     init_fn: Callable[..., Any], names: Sequence[Any], mesh: jax.sharding.Mesh | None = None
 ) -> Callable[..., Any]:
-    """Wrap an initializer so its parameter carries mesh-axis ``names``, one per dimension.
+    """Wrap an initializer so its parameter carries mesh-axis `names`, one per dimension.
 
-    In NNX the Variable gets ``out_sharding=names`` metadata (and is placed on
-    that sharding at once if a mesh is known: ``mesh=`` or ``ml.use_mesh``);
-    in linen the value is boxed in ``nn.Partitioned``.
+    In NNX the Variable gets `out_sharding=names` metadata (and is placed on
+    that sharding at once if a mesh is known: `mesh=` or `ml.use_mesh`);
+    in linen the value is boxed in `nn.Partitioned`.
 
-    Example::
+    Example:
 
-        kernel_init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-        nnx.Linear(16, 32, kernel_init=kernel_init, rngs=nnx.Rngs(0))     # NNX
-        nn.Dense(32, kernel_init=ml.with_partitioning(nn.initializers.lecun_normal(),
-                                                      (None, "model")))   # linen
+    ```python
+    from flax import linen as nn
+
+    kernel_init = ml.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    nnx.Linear(16, 32, kernel_init=kernel_init, rngs=nnx.Rngs(0))     # NNX
+    nn.Dense(32, kernel_init=ml.with_partitioning(nn.initializers.lecun_normal(),
+                                                  (None, "model")))   # linen
+    ```
     """
     names = _check_names(names, "with_partitioning")
 
@@ -96,20 +104,23 @@ def with_logical_partitioning(
     mesh: jax.sharding.Mesh | None = None,
     rules: Sequence[tuple[str, Any]] | None = None,
 ) -> Callable[..., Any]:
-    """Like ``with_partitioning`` with logical ``names``, mapped to mesh axes by axis rules.
+    """Like `with_partitioning` with logical `names`, mapped to mesh axes by axis rules.
 
-    In NNX the Variable gets ``out_sharding=names`` and ``sharding_rules=rules``
+    In NNX the Variable gets `out_sharding=names` and `sharding_rules=rules`
     (flax's own marker of a logical annotation); in linen the value is boxed in
-    ``nn.LogicallyPartitioned``. Rules given here apply to this parameter
-    before those of ``ml.axis_rules``.
+    `nn.LogicallyPartitioned`. Rules given here apply to this parameter
+    before those of `ml.axis_rules`.
 
-    Example::
+    Example:
 
-        kernel_init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(),
-                                                   ("embed", "hidden"))
-        with ml.axis_rules([("hidden", "model")]):
-            ml.get_partition_spec(nnx.Linear(16, 32, kernel_init=kernel_init, rngs=rngs))
-            # kernel: P(None, 'model')
+    ```python
+    kernel_init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(),
+                                               ("embed", "hidden"))
+    with ml.axis_rules([("hidden", "model")]):
+        layer = nnx.Linear(16, 32, kernel_init=kernel_init, rngs=nnx.Rngs(0))
+        specs = ml.get_partition_spec(layer)
+    assert specs["kernel"].get_value() == P(None, "model")
+    ```
     """
     names = _check_names(names, "with_logical_partitioning")
     rules = check_rules(rules) if rules is not None else None
@@ -142,7 +153,7 @@ def _check_names(names: Any, who: str) -> tuple[Any, ...]:
 
 
 def _place(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
-    """Constrain a new parameter to ``spec`` if a mesh is known and the spec fits it."""
+    """Constrain a new parameter to `spec` if a mesh is known and the spec fits it."""
     mesh = mesh if mesh is not None else current_mesh()
     shape = getattr(value, "shape", None)
     if mesh is None or shape is None or spec_problems(spec, shape, dict(mesh.shape)):
@@ -157,8 +168,8 @@ def _place(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
 class Annotated:
     """One array of a tree: its path, its value (array or ShapeDtypeStruct) and its annotation.
 
-    ``holder`` is the NNX Variable or flax box around the value (what NNX filters
-    see), else the value itself. ``names`` is None for an unannotated array.
+    `holder` is the NNX Variable or flax box around the value (what NNX filters
+    see), else the value itself. `names` is None for an unannotated array.
     """
 
     path: Path
@@ -175,7 +186,7 @@ class Annotated:
 
     def spec(self, rules: Any = None, mesh: Any = None, *, strict: bool = True) -> PartitionSpec:
         """The mesh spec. Logical names need rules: without any, a PlanError (or, with
-        ``strict=False``, the logical names themselves, as flax's ``get_partition_spec``)."""
+        `strict=False`, the logical names themselves, as flax's `get_partition_spec`)."""
         if self.names is None:
             return PartitionSpec()
         if not self.logical:
@@ -193,7 +204,7 @@ class Annotated:
 
 
 def _effective_rules(explicit: Any, local: Any) -> tuple[tuple[str, Any], ...]:
-    """Explicit rules if given, else the parameter's own rules then those of ``ml.axis_rules``."""
+    """Explicit rules if given, else the parameter's own rules then those of `ml.axis_rules`."""
     if explicit is not None:
         return check_rules(explicit)
     return tuple(local or ()) + tuple(current_rules() or ())
@@ -245,10 +256,10 @@ def _takes_constraint(box: Any) -> bool:
 
 
 def annotated_leaves(tree: Any) -> list[Annotated]:
-    """Every array of ``tree`` with its path and annotation, in the tree's order.
+    """Every array of `tree` with its path and annotation, in the tree's order.
 
-    NNX graph nodes (modules, optimizers) are read through ``nnx.graph.flatten``,
-    so paths are the ones plans and transforms use (``linear1.kernel``).
+    NNX graph nodes (modules, optimizers) are read through `nnx.graph.flatten`,
+    so paths are the ones plans and transforms use (`linear1.kernel`).
     """
     out = []
     if graphlib.is_graph_node(tree) or isinstance(tree, nnx.Variable):
@@ -268,7 +279,7 @@ def annotated_leaves(tree: Any) -> list[Annotated]:
 
 
 def _map_boxes(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``fn`` on every box/Variable/array; modules are read as their ``nnx.State``."""
+    """`fn` on every box/Variable/array; modules are read as their `nnx.State`."""
     if graphlib.is_graph_node(tree):
         tree = nnx.state(tree)
 
@@ -283,18 +294,26 @@ def _map_boxes(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def get_partition_spec(tree: Any, rules: Any = None) -> Any:
-    """The ``PartitionSpec`` of every array in ``tree``; unannotated arrays get ``P()``.
+    """The `PartitionSpec` of every array in `tree`; unannotated arrays get `P()`.
 
-    Boxes are replaced by their spec (as ``nn.get_partition_spec`` does); for
-    NNX modules and ``nnx.State`` the result is an ``nnx.State`` of specs.
-    Logical names are mapped by ``rules`` (else the parameter's own rules and
-    those of ``ml.axis_rules``); with no rules at all they are kept as they are,
-    for ``ml.logical_to_mesh`` to map later.
+    Boxes are replaced by their spec (as `nn.get_partition_spec` does); for
+    NNX modules and `nnx.State` the result is an `nnx.State` of specs.
+    Logical names are mapped by `rules` (else the parameter's own rules and
+    those of `ml.axis_rules`); with no rules at all they are kept as they are,
+    for `ml.logical_to_mesh` to map later.
 
-    Example::
+    Example:
 
-        abstract = jax.eval_shape(model.init, jax.random.key(0), x)
-        specs = ml.get_partition_spec(abstract)   # {'params': {'Dense_0': {'kernel': P(None, 'model')}}}
+    ```python
+    from flax import linen as nn
+
+    init = ml.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(32, kernel_init=init)
+    x = jnp.ones((8, 16))
+    abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+    specs = ml.get_partition_spec(abstract)   # {'params': {'bias': P(), 'kernel': P(None, 'model')}}
+    assert specs["params"]["kernel"] == P(None, "model")
+    ```
     """
 
     def spec(x: Any) -> PartitionSpec:
@@ -306,18 +325,26 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
 
 
 def get_sharding(tree: Any, mesh: Any = None, rules: Any = None) -> Any:
-    """A ``NamedSharding`` on ``mesh`` for every array in ``tree``, checked against the mesh.
+    """A `NamedSharding` on `mesh` for every array in `tree`, checked against the mesh.
 
-    Same structure as ``get_partition_spec``, and usable as ``out_shardings``
-    of ``jax.jit``. Every spec that cannot shard its array (an axis the mesh
+    Same structure as `get_partition_spec`, and usable as `out_shardings`
+    of `jax.jit`. Every spec that cannot shard its array (an axis the mesh
     lacks, an axis used twice, too many entries, a dimension not divisible) is
-    reported in one ``ml.PlanError`` with its path. ``mesh`` defaults to the
-    one of ``ml.use_mesh``.
+    reported in one `ml.PlanError` with its path. `mesh` defaults to the
+    one of `ml.use_mesh`.
 
-    Example::
+    Example:
 
-        abstract = jax.eval_shape(init_fn, key, x)
-        state_sharding = ml.get_sharding(abstract, mesh)
+    ```python
+    from flax import linen as nn
+
+    init = ml.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(32, kernel_init=init)
+    init_fn, key, x = model.init, jax.random.key(0), jnp.ones((8, 16))
+    abstract = jax.eval_shape(init_fn, key, x)
+    state_sharding = ml.get_sharding(abstract, ml.make_mesh({"data": 2, "model": 4}))
+    variables = jax.jit(init_fn, out_shardings=state_sharding)(key, x)
+    ```
     """
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
@@ -352,11 +379,18 @@ def get_sharding(tree: Any, mesh: Any = None, rules: Any = None) -> Any:
 def unbox(tree: Any) -> Any:
     """The arrays alone: flax boxes and NNX Variables replaced by their values.
 
-    A module gives the nested dict of its arrays (``nnx.to_pure_dict``).
+    A module gives the nested dict of its arrays (`nnx.to_pure_dict`).
 
-    Example::
+    Example:
 
-        params = ml.unbox(variables["params"])   # plain dict of arrays
+    ```python
+    from flax import linen as nn
+
+    init = ml.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(32, kernel_init=init)
+    variables = model.init(jax.random.key(0), jnp.ones((8, 16)))
+    params = ml.unbox(variables["params"])   # plain dict of arrays
+    ```
     """
     if graphlib.is_graph_node(tree):
         return nnx.to_pure_dict(nnx.state(tree))
@@ -372,15 +406,22 @@ def unbox(tree: Any) -> Any:
 
 
 def replace_boxed(tree: Any, updates: Any) -> Any:
-    """``tree`` with each boxed value replaced by the matching array of ``updates``.
+    """`tree` with each boxed value replaced by the matching array of `updates`.
 
-    The boxes (and their annotations) stay; ``updates`` is shaped like
-    ``ml.unbox(tree)``. For a module, its Variables are updated in place and the
+    The boxes (and their annotations) stay; `updates` is shaped like
+    `ml.unbox(tree)`. For a module, its Variables are updated in place and the
     module is returned.
 
-    Example::
+    Example:
 
-        new_variables = ml.replace_boxed(variables, ml.unbox(variables))
+    ```python
+    from flax import linen as nn
+
+    init = ml.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(32, kernel_init=init)
+    variables = model.init(jax.random.key(0), jnp.ones((8, 16)))
+    new_variables = ml.replace_boxed(variables, ml.unbox(variables))
+    ```
     """
     if graphlib.is_graph_node(tree):
         state = nnx.state(tree)
@@ -403,25 +444,40 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
 
 
 def add_axis(tree: Any, index: int, axis_name: str | None) -> Any:
-    """Insert ``axis_name`` at ``index`` in every annotation, as scan/vmap over layers do.
+    """Insert `axis_name` at `index` in every annotation, as scan/vmap over layers do.
 
     Stacking layers gives each parameter a new leading axis; with
-    ``axis_name="layers"`` its spec gains ``'layers'`` there (``None``: not
+    `axis_name="layers"` its spec gains `'layers'` there (`None`: not
     sharded). NNX Variables are updated in place; linen boxes are replaced.
 
-    Example::
+    Example:
 
-        stacked = ml.add_axis(variables, 0, "layers")   # (None, 'model') -> ('layers', None, 'model')
+    ```python
+    from flax import linen as nn
+
+    init = ml.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(32, kernel_init=init)
+    variables = model.init(jax.random.key(0), jnp.ones((8, 16)))
+    stacked = ml.add_axis(variables, 0, "layers")   # (None, 'model') -> ('layers', None, 'model')
+    ```
     """
     return _axis_op(tree, index, axis_name, add=True)
 
 
 def remove_axis(tree: Any, index: int, axis_name: str | None) -> Any:
-    """Remove the entry at ``index`` (which must be ``axis_name``) from every annotation.
+    """Remove the entry at `index` (which must be `axis_name`) from every annotation.
 
-    Example::
+    Example:
 
-        layer = ml.remove_axis(stacked, 0, "layers")    # ('layers', None, 'model') -> (None, 'model')
+    ```python
+    from flax import linen as nn
+
+    init = ml.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(32, kernel_init=init)
+    variables = model.init(jax.random.key(0), jnp.ones((8, 16)))
+    stacked = ml.add_axis(variables, 0, "layers")
+    layer = ml.remove_axis(stacked, 0, "layers")    # ('layers', None, 'model') -> (None, 'model')
+    ```
     """
     return _axis_op(tree, index, axis_name, add=False)
 

@@ -1,8 +1,8 @@
 """The ground floor: parameter paths and the errors that name them.
 
 A path is a tuple of keys whose first entry is the caller's argument name,
-``("model", "linear1", "kernel")``; it is formatted once, for a message, as
-``model.linear1.kernel``.
+`("model", "linear1", "kernel")`; it is formatted once, for a message, as
+`model.linear1.kernel`.
 
 Example:
 
@@ -34,12 +34,12 @@ class TraceLeakError(RuntimeError):
 
 
 def format_path(path: Iterable[Hashable]) -> str:
-    """``("model", "layers", 0, "kernel")`` -> ``"model.layers.0.kernel"``."""
+    """`("model", "layers", 0, "kernel")` -> `"model.layers.0.kernel"`."""
     return ".".join(str(part) for part in path) or "<root>"
 
 
 def key_name(key: Any) -> str:
-    """A jax key path entry as a plain name: ``DictKey('w')`` -> ``'w'``."""
+    """A jax key path entry as a plain name: `DictKey('w')` -> `'w'`."""
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             return str(getattr(key, attr))
@@ -47,7 +47,7 @@ def key_name(key: Any) -> str:
 
 
 def listing(paths: Iterable[str], limit: int = 3) -> str:
-    """Up to ``limit`` backquoted paths, then how many more."""
+    """Up to `limit` backquoted paths, then how many more."""
     paths = list(paths)
     shown = ", ".join(f"`{p}`" for p in paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")

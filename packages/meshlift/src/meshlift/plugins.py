@@ -1,15 +1,15 @@
 """Plugin loading and the backend registry.
 
-Backends come from plugins published under the ``meshlift`` entry-point group
+Backends come from plugins published under the `meshlift` entry-point group
 (see `meshlift.hookspecs`). The registry is filled the first time it is
 used: each entry point is loaded on its own, so one broken plugin is recorded
 with its error and the others still load. "Broken" includes a plugin that
-raises ``SystemExit`` (or any other ``BaseException`` but
-``KeyboardInterrupt``) at import or in its hook.
+raises `SystemExit` (or any other `BaseException` but
+`KeyboardInterrupt`) at import or in its hook.
 
-The names ``jit``, ``shard_map`` and ``pjit`` belong to the first-party
-distributions ``meshlift-jit``, ``meshlift-shard-map`` and ``meshlift-pjit``
-(`FIRST_PARTY_BACKENDS`): ``ml.jit`` and friends always run their own
+The names `jit`, `shard_map` and `pjit` belong to the first-party
+distributions `meshlift-jit`, `meshlift-shard-map` and `meshlift-pjit`
+(`FIRST_PARTY_BACKENDS`): `ml.jit` and friends always run their own
 distribution's backend. Another plugin that registers one of these names is
 recorded as a load error, whatever the load order, and its other backends are
 not added. Two other plugins that register the same name: the second is
@@ -22,16 +22,18 @@ name, or which installed name is close ("did you mean 'shard_map'?").
 
 Environment variables, read when the registry is (re)loaded:
 
-- ``MESHLIFT_STRICT_PLUGINS=1`` re-raises the first plugin error instead of
+- `MESHLIFT_STRICT_PLUGINS=1` re-raises the first plugin error instead of
   recording it.
-- ``MESHLIFT_DISABLE_PLUGINS=a,b`` skips entry points, or backends, by name.
+- `MESHLIFT_DISABLE_PLUGINS=a,b` skips entry points, or backends, by name.
 
-Example::
+Example:
 
-    import meshlift as ml
+```python
+import meshlift as ml
 
-    print(ml.backends())            # what is installed, and what failed to load
-    backend = ml.get_backend("jit")
+print(ml.backends())            # what is installed, and what failed to load
+backend = ml.get_backend("jit")
+```
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class BackendNotFoundError(LookupError):
 
 @attrs.frozen
 class BackendInfo:
-    """What ``ml.backends()`` reports about one installed backend."""
+    """What `ml.backends()` reports about one installed backend."""
 
     name: str
     distribution: str | None
@@ -136,15 +138,15 @@ class LoadError:
 class InstalledBackends:
     """The installed backends and the plugins that failed to load.
 
-    Iterates over the backends; ``print()`` it for a summary.
+    Iterates over the backends; `print()` it for a summary.
 
-    Example::
+    Example:
 
-        >>> installed = ml.backends()
-        >>> sorted(b.name for b in installed)      # with the three in-repo backends
-        ['jit', 'pjit', 'shard_map']
-        >>> installed.errors
-        ()
+    ```python
+    installed = ml.backends()
+    assert sorted(b.name for b in installed) == ["jit", "pjit", "shard_map"]  # the in-repo three
+    assert installed.errors == ()
+    ```
     """
 
     backends: tuple[BackendInfo, ...]
@@ -185,29 +187,30 @@ _registry: _Registry | None = None
 def backends() -> InstalledBackends:
     """Describe the installed backends and any plugins that failed to load.
 
-    Example::
+    Example:
 
-        >>> sorted(b.name for b in ml.backends())
-        ['jit', 'pjit', 'shard_map']
-        >>> print(ml.backends())
-        Installed backends:
-          jit (meshlift-jit 0.1.0) [...] ...
+    ```python
+    assert sorted(b.name for b in ml.backends()) == ["jit", "pjit", "shard_map"]
+    print(ml.backends())
+    # Installed backends:
+    #   jit (meshlift-jit 0.1.0) [...] ...
+    ```
     """
     return _get_registry().installed()
 
 
 def get_backend(backend: str | Backend) -> Backend:
-    """Return the backend registered under a name, or a ``Backend`` object as is.
+    """Return the backend registered under a name, or a `Backend` object as is.
 
     Passing an object lets an unpublished backend run without registering it.
 
-    Example::
+    Example:
 
-        >>> ml.get_backend("jit").name
-        'jit'
-        >>> mine = ml.Backend(name="mine", stage=lambda fn, spec: jax.jit(fn))
-        >>> ml.get_backend(mine) is mine
-        True
+    ```python
+    assert ml.get_backend("jit").name == "jit"
+    mine = ml.Backend(name="mine", stage=lambda fn, spec: jax.jit(fn))
+    assert ml.get_backend(mine) is mine
+    ```
     """
     if isinstance(backend, Backend):
         return backend
@@ -222,14 +225,17 @@ def get_backend(backend: str | Backend) -> Backend:
 
 
 def get_frontend(name: str) -> Callable[..., Any]:
-    """The user-facing wrapper of a first-party backend: what ``ml.jit`` calls.
+    """The user-facing wrapper of a first-party backend: what `ml.jit` calls.
 
-    ``name`` is a key of `FIRST_PARTY_BACKENDS`. Only that distribution can
+    `name` is a key of `FIRST_PARTY_BACKENDS`. Only that distribution can
     register the name, so the wrapper returned is always its own.
 
-    Example::
+    Example:
 
-        >>> step = ml.plugins.get_frontend("jit")(train_step, mesh=mesh)  # same as ml.jit
+    ```python
+    double = ml.plugins.get_frontend("jit")(lambda x: 2 * x)  # same as ml.jit
+    assert double(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
+    ```
     """
     distribution = FIRST_PARTY_BACKENDS[name]
     registry = _get_registry()
@@ -252,11 +258,15 @@ def get_frontend(name: str) -> Callable[..., Any]:
 def register_backend(backend: Backend) -> None:
     """Add a backend to this process's registry, as a plugin would.
 
-    Example::
+    Example:
 
-        >>> ml.plugins.register_backend(ml.Backend(name="mine", stage=my_stage))
-        >>> ml.get_backend("mine").name
-        'mine'
+    ```python
+    def my_stage(fn, spec):
+        return jax.jit(fn)
+
+    ml.plugins.register_backend(ml.Backend(name="mine", stage=my_stage))
+    assert ml.get_backend("mine").name == "mine"
+    ```
     """
     _add_backend(_get_registry(), backend, distribution=None)
 
@@ -264,20 +274,27 @@ def register_backend(backend: Backend) -> None:
 def register_plugin(plugin: object, name: str | None = None) -> None:
     """Register a plugin object (module, class or instance) and its backends now.
 
-    Errors are raised, not recorded. Example::
+    Errors are raised, not recorded.
 
-        class MyPlugin:
-            @ml.hookimpl
-            def meshlift_register_backends(self, register):
-                register(ml.Backend(name="mine", stage=my_stage))
+    Example:
 
-        ml.plugins.register_plugin(MyPlugin())
+    ```python
+    def my_stage(fn, spec):
+        return jax.jit(fn)
+
+    class MyPlugin:
+        @ml.hookimpl
+        def meshlift_register_backends(self, register):
+            register(ml.Backend(name="mine", stage=my_stage))
+
+    ml.plugins.register_plugin(MyPlugin())
+    ```
     """
     _add_plugin(_get_registry(), plugin, name, distribution=None)
 
 
 def plugin_manager() -> pluggy.PluginManager:
-    """The pluggy ``PluginManager("meshlift")`` holding every loaded plugin."""
+    """The pluggy `PluginManager("meshlift")` holding every loaded plugin."""
     return _get_registry().pm
 
 
@@ -335,7 +352,7 @@ def _load() -> _Registry:
 def _add_plugin(
     registry: _Registry, plugin: object, name: str | None, distribution: Distribution | None
 ) -> None:
-    """Register ``plugin`` and call its hook: all of its backends are added, or none."""
+    """Register `plugin` and call its hook: all of its backends are added, or none."""
     pm = registry.pm
     if pm.register(plugin, name=name) is None:  # blocked by MESHLIFT_DISABLE_PLUGINS
         return
@@ -358,7 +375,7 @@ def _add_backend(
     distribution: Distribution | None,
     plugin: str | None = None,
 ) -> None:
-    """Add one backend from ``plugin`` (of ``distribution``; ``None``: this process)."""
+    """Add one backend from `plugin` (of `distribution`; `None`: this process)."""
     if not isinstance(backend, Backend):
         raise PluginError(
             f"register() takes a meshlift.Backend, got {type(backend).__name__}: {backend!r}. "
@@ -389,7 +406,7 @@ def _add_backend(
 def _check_first_party_name(
     backend: Backend, distribution: Distribution | None, plugin: str | None
 ) -> None:
-    """Raise if ``backend`` takes a first-party name from another distribution.
+    """Raise if `backend` takes a first-party name from another distribution.
 
     The distribution is the entry point's, not what the backend says it is;
     a backend registered in this process is taken at its word.
@@ -418,13 +435,13 @@ def _check_first_party_name(
 
 
 def _not_found_message(name: str, registry: _Registry, headline: str | None = None) -> str:
-    """Why ``name`` is not in the registry, what to do, and what is installed."""
+    """Why `name` is not in the registry, what to do, and what is installed."""
     headline = headline or f"No meshlift backend named {name!r}"
     return f"{headline}{_how_to_get(name, registry)}\n{registry.installed()}"
 
 
 def _how_to_get(name: str, registry: _Registry) -> str:
-    """The rest of the not-found sentence: the one fix that applies to ``name``."""
+    """The rest of the not-found sentence: the one fix that applies to `name`."""
     distribution = FIRST_PARTY_BACKENDS.get(name)
     it = f"It comes with {distribution}, which" if distribution else "It"
     if name in registry.disabled:
@@ -443,7 +460,7 @@ def _how_to_get(name: str, registry: _Registry) -> str:
 
 
 def _close_matches(name: str, names: Iterable[str]) -> list[str]:
-    """The names close to ``name``, best first, with ``-`` and ``_`` (and case) alike."""
+    """The names close to `name`, best first, with `-` and `_` (and case) alike."""
     by_key = {_fold(n): n for n in names}
     return [by_key[key] for key in difflib.get_close_matches(_fold(name), by_key, n=3)]
 
@@ -458,7 +475,7 @@ def _canonical(distribution: str) -> str:
 
 
 def _describe(error: BaseException) -> str:
-    """``"SystemExit: 3"``; the type alone when the error has no message."""
+    """`"SystemExit: 3"`; the type alone when the error has no message."""
     message = str(error)
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 
 def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
-    """``P(None, ("data", "model"))`` -> ``[(0, ()), (1, ("data", "model"))]``."""
+    """`P(None, ("data", "model"))` -> `[(0, ()), (1, ("data", "model"))]`."""
     out = []
     for dim, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
@@ -38,9 +38,9 @@ def spec_problems(
     mesh_shape: Mapping[str, int],
     what: str = "sharding",
 ) -> list[str]:
-    """Every reason ``spec`` cannot shard an array of ``shape`` on a mesh; empty if it can.
+    """Every reason `spec` cannot shard an array of `shape` on a mesh; empty if it can.
 
-    With ``shape`` None (not known yet) only the mesh-axis checks apply.
+    With `shape` None (not known yet) only the mesh-axis checks apply.
     """
     problems = []
     if shape is None:

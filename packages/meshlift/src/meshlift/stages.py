@@ -1,16 +1,20 @@
-"""JAX's stages for a lifted function: ``Traced`` -> ``Lowered`` -> ``Compiled``.
+"""JAX's stages for a lifted function: `Traced` -> `Lowered` -> `Compiled`.
 
 Each wraps JAX's own object (every attribute of it is reachable, and the
-object itself is ``jax_traced``/``jax_lowered``/``jax_compiled``). What JAX
-reports per input or output (``in_avals``, ``args_info``, ``out_info``,
-``input_shardings``...) is given in the caller's terms: ``(args, kwargs)`` of
-the dynamic arguments, each module an ``nnx.State`` by Variable path. A
-``Compiled`` is called like the lifted function without its static
+object itself is `jax_traced`/`jax_lowered`/`jax_compiled`). What JAX
+reports per input or output (`in_avals`, `args_info`, `out_info`,
+`input_shardings`...) is given in the caller's terms: `(args, kwargs)` of
+the dynamic arguments, each module an `nnx.State` by Variable path. A
+`Compiled` is called like the lifted function without its static
 arguments, as JAX's is, modules included, writing back as a call does.
 
 Example:
 
 ```python
+mesh = ml.make_mesh({"data": 2, "model": 4})
+model, batch = nnx.Linear(16, 32, rngs=nnx.Rngs(0)), jnp.ones((8, 16))
+step = ml.jit(lambda model, batch: model(batch).sum(), in_shardings=(P(), P("data")), mesh=mesh)
+
 compiled = step.lower(model, batch).compile()
 (model_avals, batch_avals), _ = compiled.in_avals
 loss = compiled(model, batch)
@@ -47,7 +51,7 @@ class _Stage:
 
 
 class Traced(_Stage):
-    """JAX's ``Traced`` for a lifted function; ``.lower()`` continues to a ``Lowered``."""
+    """JAX's `Traced` for a lifted function; `.lower()` continues to a `Lowered`."""
 
     @property
     def jax_traced(self) -> Any:
@@ -63,7 +67,7 @@ class Traced(_Stage):
 
 
 class Lowered(_Stage):
-    """JAX's ``Lowered`` for a lifted function (``as_text``, ``cost_analysis``...)."""
+    """JAX's `Lowered` for a lifted function (`as_text`, `cost_analysis`...)."""
 
     @property
     def jax_lowered(self) -> Any:
@@ -74,10 +78,10 @@ class Lowered(_Stage):
 
 
 class Compiled(_Stage):
-    """JAX's ``Compiled``, called with the lifted function's dynamic arguments.
+    """JAX's `Compiled`, called with the lifted function's dynamic arguments.
 
-    ``as_text``, ``cost_analysis`` and ``memory_analysis`` are JAX's;
-    ``input_shardings`` and ``output_shardings`` are in the caller's terms.
+    `as_text`, `cost_analysis` and `memory_analysis` are JAX's;
+    `input_shardings` and `output_shardings` are in the caller's terms.
     """
 
     @property

@@ -1,10 +1,10 @@
 """Structure: what a compiled program depends on besides arrays, and noticing when it changes.
 
-``fingerprint`` is a compile key read from an object's contents, never its
-identity, so a fresh ``optax.adam(1e-3)`` reuses compiled code and a config
-object mutated in place does not. ``Watcher`` takes a snapshot of every
+`fingerprint` is a compile key read from an object's contents, never its
+identity, so a fresh `optax.adam(1e-3)` reuses compiled code and a config
+object mutated in place does not. `Watcher` takes a snapshot of every
 mutable container reachable from a call's graph nodes (attribute dicts,
-lists, sets, slots, ``partial`` keywords, Variable metadata) and tells, cheaply
+lists, sets, slots, `partial` keywords, Variable metadata) and tells, cheaply
 and by identity, whether any of it was changed since.
 
 Example:
@@ -53,7 +53,7 @@ def fingerprint(x: Any) -> Hashable:
 
     Functions compare by code and closed-over values; plain objects, slotted
     objects and dataclasses by their fields; containers by their items (sets
-    as sets); objects with their own ``__eq__`` and ``__hash__`` as themselves.
+    as sets); objects with their own `__eq__` and `__hash__` as themselves.
     """
     return _fingerprint(x, set())
 
@@ -115,7 +115,7 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
 
 
 def _fields(x: Any, fp: Any) -> Hashable | None:
-    """The contents of ``x``'s ``__dict__`` and slots, fingerprinted; None if it has neither."""
+    """The contents of `x`'s `__dict__` and slots, fingerprinted; None if it has neither."""
     attributes = getattr(x, "__dict__", None)
     names = _slot_names(type(x))
     if not isinstance(attributes, dict) and not names:
@@ -167,9 +167,9 @@ class _Identity:
 
 
 class Watcher:
-    """A snapshot of the mutable containers that fix the structure of ``nodes``.
+    """A snapshot of the mutable containers that fix the structure of `nodes`.
 
-    ``unchanged()`` is true while no attribute of any node was added, removed
+    `unchanged()` is true while no attribute of any node was added, removed
     or replaced, no watched dict, list, set or slot changed, and no Variable's
     metadata changed: identity checks and a few equality checks, no traversal.
     """

@@ -1,13 +1,18 @@
-"""The ``jax.jit`` backend for meshlift: ``ml.jit`` and ``ml.transform("jit", ...)``.
+"""The `jax.jit` backend for meshlift: `ml.jit` and `ml.transform("jit", ...)`.
 
-Example::
+Example:
 
-    import meshlift as ml
-    from jax.sharding import PartitionSpec as P
+```python
+import meshlift as ml
+from jax.sharding import PartitionSpec as P
 
-    @ml.jit(in_shardings=(plan, P("data")), out_shardings=P(), mesh=mesh)
-    def train_step(model, batch):
-        ...
+mesh = ml.make_mesh({"data": 2, "model": 4})
+plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+
+@ml.jit(in_shardings=(plan, P("data")), out_shardings=P(), mesh=mesh)
+def train_step(model, batch):
+    ...
+```
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ except PackageNotFoundError:  # running from a source tree without an install
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """``jax.jit`` over the pure function, with the core's leaf-level shardings."""
+    """`jax.jit` over the pure function, with the core's leaf-level shardings."""
     shardings = {"in_shardings": spec.in_specs, "out_shardings": spec.out_specs}
     if "device" in spec.options or "backend" in spec.options:
         if any(s is not None for s in jax.tree.leaves(shardings)):
@@ -56,18 +61,32 @@ def jit(
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Any:
-    """``jax.jit`` over functions of NNX modules, optimizers and arrays, with write-back.
+    """`jax.jit` over functions of NNX modules, optimizers and arrays, with write-back.
 
-    Takes every ``jax.jit`` option. Shardings are pytree prefixes of the
+    Takes every `jax.jit` option. Shardings are pytree prefixes of the
     positional arguments and the output whose leaves may also be
-    ``StateSharding`` plans; bare ``PartitionSpec`` leaves resolve against
-    ``mesh`` or the mesh of ``ml.use_mesh``. Updates to Variables inside the
+    `StateSharding` plans; bare `PartitionSpec` leaves resolve against
+    `mesh` or the mesh of `ml.use_mesh`. Updates to Variables inside the
     function land on the caller's objects.
 
-    Example::
+    Example:
 
-        step = ml.jit(train_step, in_shardings=(plan, plan, P("data")), mesh=mesh)
-        loss = step(model, optimizer, batch)   # model and optimizer updated in place
+    ```python
+    import optax
+
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    step = ml.jit(train_step, in_shardings=(plan, plan, P("data")), mesh=mesh)
+    loss = step(model, optimizer, jnp.ones((8, 16)))   # model and optimizer updated in place
+    ```
     """
     options = {
         name: value

@@ -1,19 +1,21 @@
-"""Old ``jax.experimental.pjit`` code on today's ``jax.jit``: ``ml.pjit`` and ``ml.transform("pjit", ...)``.
+"""Old `jax.experimental.pjit` code on today's `jax.jit`: `ml.pjit` and `ml.transform("pjit", ...)`.
 
-Specs are given as ``in_axis_resources``/``out_axis_resources`` (or the later
-``in_shardings``/``out_shardings``), ``None`` means replicated, and the mesh
+Specs are given as `in_axis_resources`/`out_axis_resources` (or the later
+`in_shardings`/`out_shardings`), `None` means replicated, and the mesh
 is the one in context at each call. Each mesh gets its own compiled program.
 
-Example::
+Example:
 
-    import jax.numpy as jnp
-    import meshlift as ml
-from meshlift import compat
-    from jax.sharding import PartitionSpec as P
+```python
+import jax.numpy as jnp
+import meshlift as ml
+from jax.sharding import PartitionSpec as P
 
-    f = ml.pjit(lambda x: x * 2, in_axis_resources=P("data"), out_axis_resources=None)
-    with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
-        y = f(jnp.arange(8.0))          # replicated on the 2x4 mesh
+f = ml.pjit(lambda x: x * 2, in_axis_resources=P("data"), out_axis_resources=None)
+x = jnp.arange(8.0)                 # made outside the mesh context: not yet placed
+with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
+    y = f(x)                        # replicated on the 2x4 mesh
+```
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _OLD_NAMES = (("in_axis_resources", "in_specs"), ("out_axis_resources", "out_spe
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """``jax.jit`` over the pure function, with shardings resolved on the call-site mesh."""
+    """`jax.jit` over the pure function, with shardings resolved on the call-site mesh."""
     jitted = jax.jit(
         fn,
         in_shardings=spec.in_specs,
@@ -52,10 +54,10 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
 
 
 class OnMesh:
-    """A jitted function run on a mesh's devices, as old ``pjit`` ran under ``with mesh:``.
+    """A jitted function run on a mesh's devices, as old `pjit` ran under `with mesh:`.
 
-    ``jax.jit`` places a computation on the mesh of ``jax.set_mesh`` only; under
-    the deprecated ``with mesh:`` context (or ``mesh=``) it is entered around
+    `jax.jit` places a computation on the mesh of `jax.set_mesh` only; under
+    the deprecated `with mesh:` context (or `mesh=`) it is entered around
     each call, outside traces, so unspecified arrays land on the mesh.
     """
 
@@ -83,11 +85,11 @@ class OnMesh:
 
 
 def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``ml.transform("pjit", ...)``'s arguments read the way ``ml.pjit`` reads them.
+    """`ml.transform("pjit", ...)`'s arguments read the way `ml.pjit` reads them.
 
-    ``in_axis_resources``/``out_axis_resources`` are accepted for ``in_specs``/
-    ``out_specs``, ``None`` inside a spec tree means replicated on the mesh
-    (the compiler's choice with no mesh), and without ``mesh=`` the mesh is
+    `in_axis_resources`/`out_axis_resources` are accepted for `in_specs`/
+    `out_specs`, `None` inside a spec tree means replicated on the mesh
+    (the compiler's choice with no mesh), and without `mesh=` the mesh is
     looked up at each call.
     """
     options = dict(kwargs["options"])
@@ -123,21 +125,31 @@ def pjit(
     donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
 ) -> ml.Lifted:
-    """Old ``pjit`` over modules, plans and pytrees, with the mesh taken at each call.
+    """Old `pjit` over modules, plans and pytrees, with the mesh taken at each call.
 
     Spec trees are pytree prefixes of the positional arguments and the output,
-    with ``PartitionSpec``, ``NamedSharding``, ``StateSharding`` or ``None``
-    (replicated) leaves; lists are read as tuples. ``in_shardings`` and
-    ``out_shardings`` are the later names of the same arguments. Keyword
-    arguments of ``fun`` are allowed and, as in ``jax.jit``, take no specs.
-    ``keep_unused`` is ``jax.jit``'s.
+    with `PartitionSpec`, `NamedSharding`, `StateSharding` or `None`
+    (replicated) leaves; lists are read as tuples. `in_shardings` and
+    `out_shardings` are the later names of the same arguments. Keyword
+    arguments of `fun` are allowed and, as in `jax.jit`, take no specs.
+    `keep_unused` is `jax.jit`'s.
 
-    Example::
+    Example:
 
-        step = ml.pjit(train_step, in_axis_resources=(plan, P("data")),
-                       out_axis_resources=(plan, None))
-        with ml.use_mesh(mesh):
-            params, loss = step(params, batch)
+    ```python
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    params, batch = {"w": jnp.ones((16, 32))}, jnp.ones((8, 16))
+    plan = {"w": P(None, "model")}
+
+    def train_step(params, batch):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p["w"]) ** 2))(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    step = ml.pjit(train_step, in_axis_resources=(plan, P("data")),
+                   out_axis_resources=(plan, None))
+    with ml.use_mesh(mesh):
+        params, loss = step(params, batch)
+    ```
     """
     in_name, in_specs = pick("in_axis_resources", in_axis_resources, "in_shardings", in_shardings)
     out_name, out_specs = pick(

@@ -1,16 +1,18 @@
-"""Old ``pjit`` spec trees in meshlift's terms, and the old and new argument names.
+"""Old `pjit` spec trees in meshlift's terms, and the old and new argument names.
 
-Old ``pjit`` read ``None`` as replicated on the mesh in context, or, with no
-mesh, as the compiler's choice (meshlift's ``None``), and a top-level list of
+Old `pjit` read `None` as replicated on the mesh in context, or, with no
+mesh, as the compiler's choice (meshlift's `None`), and a top-level list of
 argument specs as a tuple. A spec that is not given at all stays unspecified.
 
-Example::
+Example:
 
-    from jax.sharding import PartitionSpec as P
-    from meshlift_pjit.specs import legacy_specs, meshless_specs
+```python
+from jax.sharding import PartitionSpec as P
+from meshlift_pjit.specs import legacy_specs, meshless_specs
 
-    assert legacy_specs([None, P("data")], arguments=True) == (P(), P("data"))
-    assert meshless_specs([None, P("data")], arguments=True) == (None, P("data"))
+assert legacy_specs([None, P("data")], arguments=True) == (P(), P("data"))
+assert meshless_specs([None, P("data")], arguments=True) == (None, P("data"))
+```
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from meshlift.sharding import is_spec
 
 
 class _Unspecified:
-    """The default of ``in_axis_resources`` and friends: no spec given."""
+    """The default of `in_axis_resources` and friends: no spec given."""
 
     def __repr__(self) -> str:
         return "UNSPECIFIED"
@@ -34,10 +36,10 @@ UNSPECIFIED: Any = _Unspecified()
 
 
 def legacy_specs(tree: Any, *, arguments: bool = False) -> Any:
-    """``tree`` for a call with a mesh: ``None`` leaves as ``P()``.
+    """`tree` for a call with a mesh: `None` leaves as `P()`.
 
-    As :func:`meshless_specs` otherwise: UNSPECIFIED becomes None (the compiler
-    chooses), and for ``arguments`` a top-level list is a tuple.
+    As `meshless_specs` otherwise: UNSPECIFIED becomes None (the compiler
+    chooses), and for `arguments` a top-level list is a tuple.
     """
     if tree is UNSPECIFIED:
         return None
@@ -50,9 +52,9 @@ def legacy_specs(tree: Any, *, arguments: bool = False) -> Any:
 
 
 def meshless_specs(tree: Any, *, arguments: bool = False) -> Any:
-    """``tree`` for a call with no mesh: ``None`` kept (the compiler chooses).
+    """`tree` for a call with no mesh: `None` kept (the compiler chooses).
 
-    UNSPECIFIED becomes None. For ``arguments`` a top-level list is a tuple, one
+    UNSPECIFIED becomes None. For `arguments` a top-level list is a tuple, one
     spec per argument, as old pjit read it; other lists stay lists and match
     list values (an output list, a list argument).
     """
@@ -62,7 +64,7 @@ def meshless_specs(tree: Any, *, arguments: bool = False) -> Any:
 
 
 def pick(old_name: str, old: Any, new_name: str, new: Any) -> tuple[str, Any]:
-    """``(name, value)`` of whichever of the two names was given; both is a ValueError."""
+    """`(name, value)` of whichever of the two names was given; both is a ValueError."""
     if old is not UNSPECIFIED and new is not UNSPECIFIED:
         raise ValueError(
             f"pjit got both {old_name}= and {new_name}=; {old_name} is the old name of "

@@ -1,18 +1,28 @@
-"""The ``jax.shard_map`` backend for meshlift: ``ml.shard_map`` and ``ml.transform("shard_map", ...)``.
+"""The `jax.shard_map` backend for meshlift: `ml.shard_map` and `ml.transform("shard_map", ...)`.
 
 The function runs once per device on its shards of modules and data, with
-collectives (``psum``, ``pmean``, ``all_gather``...) written by hand. Specs
+collectives (`psum`, `pmean`, `all_gather`...) written by hand. Specs
 are pytree prefixes of the arguments and outputs whose leaves are
-``PartitionSpec``s or ``StateSharding`` plans, as for ``ml.jit``.
+`PartitionSpec`s or `StateSharding` plans, as for `ml.jit`.
 
-Example::
+Example:
 
-    import meshlift as ml
-    from jax.sharding import PartitionSpec as P
+```python
+import jax, jax.numpy as jnp
+import meshlift as ml
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-    @ml.shard_map(mesh=mesh, in_specs=(plan, P("data")), out_specs=P("data"))
-    def forward(model, x):
-        return jax.lax.psum(model(x), "model")
+mesh = ml.make_mesh({"data": 2, "model": 4})
+model = nnx.Linear(16, 32, use_bias=False, rngs=nnx.Rngs(0))
+plan = ml.StateSharding({ml.path_endswith("kernel"): P("model", None)})  # rows over `model`
+
+@ml.shard_map(mesh=mesh, in_specs=(plan, P("data", "model")), out_specs=P("data"))
+def forward(model, x):
+    return jax.lax.psum(model(x), "model")
+
+y = forward(model, jnp.ones((8, 16)))
+```
 """
 
 from __future__ import annotations
@@ -52,28 +62,33 @@ def shard_map(
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
 ) -> Any:
-    """``jax.shard_map`` over functions of NNX modules, optimizers and arrays, with write-back.
+    """`jax.shard_map` over functions of NNX modules, optimizers and arrays, with write-back.
 
-    ``in_specs``/``out_specs`` are pytree prefixes of the positional arguments
-    and the output; leaves are ``PartitionSpec``, ``NamedSharding``,
-    ``StateSharding`` or ``None`` (replicated). Variables updated inside are
-    written back with the spec they came in with. ``mesh`` is a ``Mesh``, an
-    ``AbstractMesh`` (matched against the ``ml.use_mesh`` mesh at each call),
-    or omitted to use the ``ml.use_mesh`` mesh. ``axis_names`` are the manual
-    axes (default: all). ``check_vma`` stays on unless you know why: without
-    it the transpose of ``psum`` is ``psum``, and gradients upstream of a
-    row-parallel ``psum`` come out multiplied by the axis size. ``jit=True``
-    wraps the map in ``jax.jit`` (one compile, then cached), which is also
-    what makes ``donate_argnums`` possible. ``check_rep`` and ``auto`` are
-    the deprecated names from ``jax.experimental.shard_map``.
+    `in_specs`/`out_specs` are pytree prefixes of the positional arguments
+    and the output; leaves are `PartitionSpec`, `NamedSharding`,
+    `StateSharding` or `None` (replicated). Variables updated inside are
+    written back with the spec they came in with. `mesh` is a `Mesh`, an
+    `AbstractMesh` (matched against the `ml.use_mesh` mesh at each call),
+    or omitted to use the `ml.use_mesh` mesh. `axis_names` are the manual
+    axes (default: all). `check_vma` stays on unless you know why: without
+    it the transpose of `psum` is `psum`, and gradients upstream of a
+    row-parallel `psum` come out multiplied by the axis size. `jit=True`
+    wraps the map in `jax.jit` (one compile, then cached), which is also
+    what makes `donate_argnums` possible. `check_rep` and `auto` are
+    the deprecated names from `jax.experimental.shard_map`.
 
-    Example::
+    Example:
 
-        @ml.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
-        def forward(model, x):
-            return model(x)
+    ```python
+    mesh = ml.make_mesh({"data": 8})
+    model, x = nnx.Linear(16, 32, rngs=nnx.Rngs(0)), jnp.ones((64, 16))
 
-        y = forward(model, x)          # each device runs model on its 1/8 of x
+    @ml.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    def forward(model, x):
+        return model(x)
+
+    y = forward(model, x)          # each device runs model on its 1/8 of x
+    ```
     """
     options = {
         name: value
@@ -125,7 +140,7 @@ def _call_site_mesh(mesh: Mesh | AbstractMesh | None) -> Any:
 
 
 def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``ml.transform("shard_map", ...)``'s arguments read as ``ml.shard_map`` reads them:
+    """`ml.transform("shard_map", ...)`'s arguments read as `ml.shard_map` reads them:
     an AbstractMesh is matched at the call site, and old option names are converted."""
     return {
         **kwargs,

@@ -1,15 +1,19 @@
 """The shard_map backend's options, and the legacy names it still accepts.
 
-``check_rep`` (the old name of ``check_vma``) and ``auto=S`` (the axes left to
+`check_rep` (the old name of `check_vma`) and `auto=S` (the axes left to
 the compiler; the manual axes are the mesh's others) come from
-``jax.experimental.shard_map``. Both are converted here, with a
-``DeprecationWarning``, so that ``stage`` only ever sees the current names.
+`jax.experimental.shard_map`. Both are converted here, with a
+`DeprecationWarning`, so that `stage` only ever sees the current names.
 
-Example::
+Example:
 
-    opts = normalize({"check_rep": False})   # warns
-    assert opts == {"axis_names": frozenset(), "auto_axes": frozenset(),
-                    "check_vma": False, "jit": True}
+```python
+from meshlift_shard_map.options import normalize
+
+opts = normalize({"check_rep": False})   # warns
+assert opts == {"axis_names": frozenset(), "auto_axes": frozenset(),
+                "check_vma": False, "jit": True}
+```
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def manual_axes(options: Mapping[str, Any], mesh_axes: tuple[str, ...]) -> frozenset[str]:
-    """The axes the function is manual over on a mesh with ``mesh_axes``; checks the names."""
+    """The axes the function is manual over on a mesh with `mesh_axes`; checks the names."""
     named = options["axis_names"] or options["auto_axes"]
     stray = sorted(named - set(mesh_axes))
     if stray:
@@ -91,7 +95,7 @@ _OWN_PACKAGES = ("meshlift", "meshlift_shard_map")
 
 
 def _caller_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel of the first frame outside meshlift's packages."""
+    """The `warnings.warn` stacklevel of the first frame outside meshlift's packages."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_PACKAGES:
         frame, level = frame.f_back, level + 1

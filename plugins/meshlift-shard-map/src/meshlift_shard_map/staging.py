@@ -1,20 +1,22 @@
-"""Staging a pure function with ``jax.shard_map`` under ``jax.jit``.
+"""Staging a pure function with `jax.shard_map` under `jax.jit`.
 
-The core hands over leaf-level shardings (``NamedSharding`` or ``None``). Two
+The core hands over leaf-level shardings (`NamedSharding` or `None`). Two
 things are built from them:
 
-* ``jax.shard_map``'s specs: each sharding's ``PartitionSpec`` restricted to
-  the manual axes, and ``P()`` (replicated) where the core left a leaf
+* `jax.shard_map`'s specs: each sharding's `PartitionSpec` restricted to
+  the manual axes, and `P()` (replicated) where the core left a leaf
   unspecified, for Variables, data and outputs alike. A written-back Variable
   gets the spec it came in with, so its shards land where they were.
-* ``jax.jit``'s shardings: the core's, unchanged. They place inputs the way
-  the plan says, including along axes left to the compiler (``axis_names``
+* `jax.jit`'s shardings: the core's, unchanged. They place inputs the way
+  the plan says, including along axes left to the compiler (`axis_names`
   smaller than the mesh).
 
-Example::
+Example:
 
-    staged = stage(pure_fn, spec)         # spec: a meshlift.StageSpec
-    var_out, user_out, aux = staged(*inputs)
+```py
+staged = stage(pure_fn, spec)         # spec: a meshlift.StageSpec
+var_out, user_out, aux = staged(*inputs)
+```
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class AxisNameError(NameError):
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """``jax.jit(jax.shard_map(fn, ...))`` with specs from the core's leaf shardings."""
+    """`jax.jit(jax.shard_map(fn, ...))` with specs from the core's leaf shardings."""
     options = normalize(spec.options)
     mesh = _mesh_of(spec)
     manual = manual_axes(options, mesh.axis_names)
@@ -69,7 +71,7 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
 
 
 class _Eager:
-    """``jit=False``: calls run ``jax.shard_map`` eagerly (retracing each time); stages use jit."""
+    """`jit=False`: calls run `jax.shard_map` eagerly (retracing each time); stages use jit."""
 
     def __init__(self, mapped: Callable[..., Any], jitted: Any):
         self._mapped, self._jitted = mapped, jitted
@@ -104,7 +106,7 @@ def _is_leaf(x: Any) -> bool:
 
 
 def _local_specs(shardings: Any, manual: frozenset[str]) -> Any:
-    """The core's shardings as shard_map specs over the manual axes; None -> ``P()``."""
+    """The core's shardings as shard_map specs over the manual axes; None -> `P()`."""
 
     def local(sharding: Any) -> PartitionSpec:
         if sharding is None:
@@ -128,7 +130,7 @@ def _manual_entry(entry: Any, manual: frozenset[str]) -> Any:
 
 
 def _explain_varying_outputs(mapped: Callable[..., Any]) -> Callable[..., Any]:
-    """``mapped``, with the fix added to JAX's error for an output its out_specs call
+    """`mapped`, with the fix added to JAX's error for an output its out_specs call
     replicated but that varies over a manual axis (the core names the output or Variable)."""
 
     @functools.wraps(mapped)
@@ -153,7 +155,7 @@ _COLLECTIVES = PurePath("jax", "_src", "lax", "parallel.py").parts
 
 
 def _name_axis_errors(fn: Callable[..., Any], manual: frozenset[str], mesh: Mesh) -> Callable:
-    """``fn``, with JAX's trace-time error for a collective over a non-manual axis explained."""
+    """`fn`, with JAX's trace-time error for a collective over a non-manual axis explained."""
 
     @functools.wraps(fn)
     def body(*args: Any) -> Any:

@@ -1,20 +1,29 @@
-"""A meshlift backend published outside meshlift: ``jax.jit`` over ``jax.checkpoint``.
+"""A meshlift backend published outside meshlift: `jax.jit` over `jax.checkpoint`.
 
 The whole lifted function is rematerialized: when something differentiates
-through it from outside (a forward pass called inside ``jax.grad``), its
+through it from outside (a forward pass called inside `jax.grad`), its
 intermediate values are recomputed on the backward pass instead of being
-stored, as ``policy`` (a ``jax.checkpoint_policies`` name or function) says.
+stored, as `policy` (a `jax.checkpoint_policies` name or function) says.
 Everything else -- splitting modules into arrays, resolving the plan, writing
 updates back -- is meshlift's; this module only maps a pure function over
 arrays and its leaf-level shardings onto one JAX transform.
 
-Example::
+Example:
 
-    import meshlift as ml
+```python
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+import meshlift as ml
 
-    forward = ml.transform("remat", lambda model, x: model(x), mesh=mesh,
-                           in_specs=(plan, P("data")), out_specs=P("data"),
-                           policy="nothing_saveable")
+mesh = ml.make_mesh({"data": 2, "model": 4})
+model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+forward = ml.transform("remat", lambda model, x: model(x), mesh=mesh,
+                       in_specs=(plan, P("data")), out_specs=P("data"),
+                       policy="nothing_saveable")
+y = forward(model, jnp.ones((8, 16)))
+```
 """
 
 from __future__ import annotations
@@ -32,11 +41,11 @@ _CHECKPOINT_OPTIONS = ("policy", "prevent_cse")
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """``jax.jit(jax.checkpoint(fn))`` with the core's shardings and donation.
+    """`jax.jit(jax.checkpoint(fn))` with the core's shardings and donation.
 
-    ``spec.options`` holds the keyword options given to ``ml.transform``:
-    ``policy`` and ``prevent_cse`` go to ``jax.checkpoint``, the rest to
-    ``jax.jit``.
+    `spec.options` holds the keyword options given to `ml.transform`:
+    `policy` and `prevent_cse` go to `jax.checkpoint`, the rest to
+    `jax.jit`.
     """
     options = dict(spec.options)
     remat = {k: options.pop(k) for k in _CHECKPOINT_OPTIONS if k in options}

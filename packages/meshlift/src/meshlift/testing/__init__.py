@@ -1,36 +1,40 @@
 """meshlift's conformance kit: a pytest plugin, opt-in, that checks a backend end to end.
 
-Not loaded into every pytest run (there is no ``pytest11`` entry point). Opt in
-from the test module that runs the suite (or a root ``conftest.py``, or
-``-p meshlift.testing`` on the command line)::
+Not loaded into every pytest run (there is no `pytest11` entry point). Opt in
+from the test module that runs the suite (or a root `conftest.py`, or
+`-p meshlift.testing` on the command line):
 
-    # tests/test_conformance.py of a backend distribution
-    from meshlift.testing import TestConformance  # noqa: F401  (the suite, collected here)
+```python
+# tests/test_conformance.py of a backend distribution
+from meshlift.testing import TestConformance  # noqa: F401  (the suite, collected here)
 
-    pytest_plugins = ["meshlift.testing"]
-    meshlift_backends = ["my-backend"]      # this module tests only this backend
+pytest_plugins = ["meshlift.testing"]
+meshlift_backends = ["my-backend"]      # this module tests only this backend
+```
 
-Against every installed backend (or those named with ``--meshlift-backend``)::
+Against every installed backend (or those named with `--meshlift-backend`):
 
-    pytest -p meshlift.testing --pyargs meshlift.testing.suite [--meshlift-backend NAME]
+```sh
+pytest -p meshlift.testing --pyargs meshlift.testing.suite [--meshlift-backend NAME]
+```
 
 What the plugin adds:
 
-* ``meshlift_backend``: a fixture parametrized over backends, giving the
-  ``ml.Backend``. Which backends: a ``meshlift_backends`` list (names or
-  ``ml.Backend`` objects) on the test class, else on the test module; else
-  those named by ``--meshlift-backend NAME`` (repeatable); else every
+* `meshlift_backend`: a fixture parametrized over backends, giving the
+  `ml.Backend`. Which backends: a `meshlift_backends` list (names or
+  `ml.Backend` objects) on the test class, else on the test module; else
+  those named by `--meshlift-backend NAME` (repeatable); else every
   installed backend.
-* ``@requires("stages", ...)`` (from this module): the test needs these
+* `@requires("stages", ...)` (from this module): the test needs these
   capabilities; a backend that lacks one is expected to fail it (a strict
   xfail, with the reason), never skipped.
-* ``meshlift_mesh``: a ``{"data": 2, "model": 4}`` mesh of 8 devices.
-  Importing this module sets ``XLA_FLAGS`` to 8 simulated CPU devices unless
-  ``XLA_FLAGS`` is already set.
-* ``meshlift_per_shard``: whether the backend runs the function once per shard
-  (capability ``manual-collectives``), so tests pick the step that writes its
-  collectives out (see :mod:`meshlift.testing.models`).
-* ``TestConformance``: the suite (:mod:`meshlift.testing.suite`).
+* `meshlift_mesh`: a `{"data": 2, "model": 4}` mesh of 8 devices.
+  Importing this module sets `XLA_FLAGS` to 8 simulated CPU devices unless
+  `XLA_FLAGS` is already set.
+* `meshlift_per_shard`: whether the backend runs the function once per shard
+  (capability `manual-collectives`), so tests pick the step that writes its
+  collectives out (see `meshlift.testing.models`).
+* `TestConformance`: the suite (`meshlift.testing.suite`).
 
 (PYTEST_DONT_REWRITE: this module asserts nothing; the suite's asserts are rewritten.)
 """
@@ -137,5 +141,5 @@ def _devices() -> list[Any]:
 
 @pytest.fixture(scope="session")
 def meshlift_mesh() -> jax.sharding.Mesh:
-    """A ``{"data": 2, "model": 4}`` mesh with Auto axes."""
+    """A `{"data": 2, "model": 4}` mesh with Auto axes."""
     return ml.make_mesh(MESH_SHAPE, devices=_devices())

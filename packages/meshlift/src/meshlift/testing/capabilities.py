@@ -1,22 +1,24 @@
-"""Capabilities the conformance kit reads, and ``requires`` to declare a test's needs.
+"""Capabilities the conformance kit reads, and `requires` to declare a test's needs.
 
-Capabilities are free-form strings on ``ml.Backend.capabilities``. The kit
+Capabilities are free-form strings on `ml.Backend.capabilities`. The kit
 reads these:
 
-* ``manual-collectives``: the function runs once per shard and writes its
-  collectives out (``shard_map``); the kit gives it per-shard steps.
-* ``global-rng``: random draws inside the function equal those of an
-  unsharded run (``jax.jit`` draws globally; per-shard code draws per shard).
-* ``stages``: the staged callable has ``trace`` and ``lower``; ``Lowered.compile()``
+* `manual-collectives`: the function runs once per shard and writes its
+  collectives out (`shard_map`); the kit gives it per-shard steps.
+* `global-rng`: random draws inside the function equal those of an
+  unsharded run (`jax.jit` draws globally; per-shard code draws per shard).
+* `stages`: the staged callable has `trace` and `lower`; `Lowered.compile()`
   gives an object called like the function.
-* ``donation``: ``donate_argnums`` reuses the donated buffers.
+* `donation`: `donate_argnums` reuses the donated buffers.
 
-Example::
+Example:
 
-    from meshlift.testing import requires
+```python
+from meshlift.testing import requires
 
-    @requires("stages")
-    def test_my_lowering(meshlift_backend): ...
+@requires("stages")
+def test_my_lowering(meshlift_backend): ...
+```
 """
 
 from __future__ import annotations
@@ -53,5 +55,5 @@ def required_by(test: Any) -> tuple[str, ...]:
 
 
 def missing(backend: ml.Backend, required: Iterable[str]) -> set[str]:
-    """The capabilities of ``required`` that ``backend`` lacks."""
+    """The capabilities of `required` that `backend` lacks."""
     return set(required) - set(backend.capabilities)

@@ -1,21 +1,26 @@
 """The conformance kit's tiny models, plans and steps, each in a global and a per-shard form.
 
-A backend whose function sees global arrays (``jax.jit``-like) runs the
-global form; a backend with the ``manual-collectives`` capability runs the
+A backend whose function sees global arrays (`jax.jit`-like) runs the
+global form; a backend with the `manual-collectives` capability runs the
 function once per shard and gets the per-shard form, which writes its
-collectives out: the row-parallel matmul sums over ``model`` with ``psum``,
-and the loss (not the gradients) is averaged over ``data`` with ``pmean``
+collectives out: the row-parallel matmul sums over `model` with `psum`,
+and the loss (not the gradients) is averaged over `data` with `pmean`
 inside the differentiated function. (Averaging the gradients instead would
-double count under ``shard_map``'s ``check_vma=True``, which already sums the
-gradients of parameters replicated over ``data``.)
+double count under `shard_map`'s `check_vma=True`, which already sums the
+gradients of parameters replicated over `data`.)
 
-Example::
+Example:
 
-    from meshlift.testing import models
+```python
+from jax.sharding import PartitionSpec as P
+import meshlift as ml
+from meshlift.testing import models
 
-    step = ml.transform(backend, models.train_step(per_shard=False), mesh=mesh,
-                        in_specs=(models.TENSOR_PARALLEL, models.TENSOR_PARALLEL,
-                                  P("data"), P("data")), out_specs=P())
+backend, mesh = ml.get_backend("jit"), ml.make_mesh({"data": 2, "model": 4})
+step = ml.transform(backend, models.train_step(per_shard=False), mesh=mesh,
+                    in_specs=(models.TENSOR_PARALLEL, models.TENSOR_PARALLEL,
+                              P("data"), P("data")), out_specs=P())
+```
 """
 
 from __future__ import annotations
@@ -41,11 +46,11 @@ TOLERANCE = 1e-5
 
 
 def graph_mode_jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
-    """``nnx.jit`` in flax's graph mode with graph updates, whatever the global mode.
+    """`nnx.jit` in flax's graph mode with graph updates, whatever the global mode.
 
     That is the semantics meshlift keeps, so it is the reference the suite
     compares with, also when a user switches tree mode on
-    (``nnx.set_graph_mode(False)``). A flax without the switches has only
+    (`nnx.set_graph_mode(False)`). A flax without the switches has only
     graph mode.
     """
     switches = inspect.signature(nnx.jit).parameters.keys() & {"graph", "graph_updates"}
@@ -53,7 +58,7 @@ def graph_mode_jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any
 
 
 class MLP(nnx.Module):
-    """``linear1`` column parallel, ``linear2`` row parallel (no bias, so one psum sums it)."""
+    """`linear1` column parallel, `linear2` row parallel (no bias, so one psum sums it)."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.linear1 = nnx.Linear(WIDTH, HIDDEN, rngs=rngs)
@@ -72,13 +77,13 @@ REPLICATED = ml.StateSharding({...: P()})
 
 
 def forward(model: MLP, x: jax.Array, *, per_shard: bool = False) -> jax.Array:
-    """The MLP; per shard, ``linear2``'s partial sums are added up over ``model``."""
+    """The MLP; per shard, `linear2`'s partial sums are added up over `model`."""
     y = model.linear2(jax.nn.relu(model.linear1(x)))
     return jax.lax.psum(y, "model") if per_shard else y
 
 
 def loss_fn(per_shard: bool) -> Callable[[MLP, jax.Array, jax.Array], jax.Array]:
-    """Mean squared error over the whole batch; per shard, the loss is averaged over ``data``."""
+    """Mean squared error over the whole batch; per shard, the loss is averaged over `data`."""
 
     def loss(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
         value = jnp.mean((forward(model, x, per_shard=per_shard) - y) ** 2)
@@ -88,7 +93,7 @@ def loss_fn(per_shard: bool) -> Callable[[MLP, jax.Array, jax.Array], jax.Array]
 
 
 def train_step(per_shard: bool) -> Callable[..., jax.Array]:
-    """``(model, optimizer, x, y) -> loss``: one Adam step, updating both in place."""
+    """`(model, optimizer, x, y) -> loss`: one Adam step, updating both in place."""
     loss = loss_fn(per_shard)
 
     def step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -125,7 +130,7 @@ STATS_PLAN = ml.StateSharding({nnx.BatchStat: P("model"), ...: P("model")})
 
 
 def make_batchnorm(per_shard: bool) -> nnx.BatchNorm:
-    """Per shard, BatchNorm averages its batch statistics over ``data`` itself."""
+    """Per shard, BatchNorm averages its batch statistics over `data` itself."""
     return nnx.BatchNorm(WIDTH, axis_name="data" if per_shard else None, rngs=nnx.Rngs(0))
 
 

@@ -1,16 +1,18 @@
 """The conformance suite: what every meshlift backend must do, on a 2x4 mesh of 8 devices.
 
-Each test takes the ``meshlift_backend`` fixture of the :mod:`meshlift.testing`
+Each test takes the `meshlift_backend` fixture of the `meshlift.testing`
 plugin, so it runs once per selected backend. Tests call the backend the way
-users do, through ``ml.transform(backend, fn, mesh=..., in_specs=...,
-out_specs=...)``, and compare against an eager single-device run of the same
-tiny model. A backend with the ``manual-collectives`` capability gets the
-per-shard form of each function (see :mod:`meshlift.testing.models`).
+users do, through `ml.transform(backend, fn, mesh=..., in_specs=...,
+out_specs=...)`, and compare against an eager single-device run of the same
+tiny model. A backend with the `manual-collectives` capability gets the
+per-shard form of each function (see `meshlift.testing.models`).
 
-Run it from a backend's tests (``from meshlift.testing import TestConformance``
-in a test module that opts in to the plugin), or against everything installed::
+Run it from a backend's tests (`from meshlift.testing import TestConformance`
+in a test module that opts in to the plugin), or against everything installed:
 
-    pytest -p meshlift.testing --pyargs meshlift.testing.suite
+```sh
+pytest -p meshlift.testing --pyargs meshlift.testing.suite
+```
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def assert_arrays_equal(node, expected: dict, where: str, prefix: str | None = N
 
 
 class TestConformance:
-    """The conformance suite, one test per property; parametrized over ``meshlift_backend``."""
+    """The conformance suite, one test per property; parametrized over `meshlift_backend`."""
 
     # -- the backend object -------------------------------------------------------------------
     def test_backend_describes_itself(self, meshlift_backend):
