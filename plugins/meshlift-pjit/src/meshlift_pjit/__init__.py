@@ -25,6 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 import meshlift as ml
 from meshlift import compat
@@ -50,7 +51,7 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
         donate_argnums=spec.donate_argnums,
         **spec.options,
     )
-    return jitted if spec.mesh is None else OnMesh(jitted, spec.mesh)
+    return OnMesh(jitted, spec.mesh) if isinstance(spec.mesh, Mesh) else jitted
 
 
 class OnMesh:
