@@ -6,27 +6,23 @@ with the model), and staged functions, keyed by structure only (a fingerprint,
 never an identity) and shared by every `Lifted` of the same function and
 options, as `jax.jit` shares its cache between wrappers. A call gathers
 arrays, calls, validates every write, then writes back: all or nothing.
+`transform` below shows a train step.
 
 Example:
 
 ```python
-import jax.numpy as jnp, optax
-from flax import nnx
-from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
 import meshlift as ml
 
-mesh = ml.make_mesh({"data": 2, "model": 4})
-model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
-optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+traces = []
 
-def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
+def double(x):
+    traces.append(x)
+    return 2 * x
 
-step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, plan, P("data")))
-loss = step(model, optimizer, jnp.ones((8, 16)))   # model's parameters are updated in place
+ml.jit(double)(jnp.ones(2))
+ml.jit(double)(jnp.ones(2))     # a new wrapper of the same function: the same program
+assert len(traces) == 1
 ```
 """
 
@@ -213,7 +209,7 @@ class Lifted:
             layout = _Layout(self, args, kwargs, call, treedef, statics, mesh)
             self._layouts.put(key, layout, call.nodes)
             if layout.passed:
-                self._passed[treedef] = layout.passed
+                self._passed[treedef] = tuple(layout.passed)
         return layout, call
 
     def _call_site_mesh(self) -> Any:
@@ -355,7 +351,7 @@ class PureFunction:
         self.node_pos = layout.node_pos
         self.var_order = layout.var_groups[0] + layout.var_groups[1]
         self.dyn_order = layout.dyn_groups[0] + layout.dyn_groups[1]
-        self.passed = dict(layout.passed_values)
+        self.passed = layout.passed
         self.donated = frozenset(layout.var_groups[1])
         self.names = [format_path(layout.leaf_paths[i]) for i in layout.node_pos]
         self.leaf_position = {
@@ -439,14 +435,12 @@ class _Layout:
         donated = sig.donated_leaves(args, kwargs, statics)
         self.var_shardings, self.dyn_shardings = self._in_shardings(args, leaves)
         dyn_shardings = self.dyn_shardings
-        self.passed = tuple(
-            i
+        passes = lifted.backend.passes_through_none
+        self.passed = {  # leaf position -> a value handed to the function unchanged
+            i: leaves[i]
             for i in self.dyn_pos
-            if lifted.backend.passes_through_none
-            and dyn_shardings[i] is None
-            and _pass_key(leaves[i]) is not _ARRAY
-        )
-        self.passed_values = {i: leaves[i] for i in self.passed}
+            if passes and dyn_shardings[i] is None and _pass_key(leaves[i]) is not _ARRAY
+        }
         if self.passed:
             self.dyn_pos = tuple(i for i in self.dyn_pos if i not in self.passed)
         passed = tuple((i, _pass_key(leaves[i])) for i in self.passed)
@@ -688,7 +682,7 @@ class _Layout:
         variables = self.var_groups[0] + self.var_groups[1]
         per_variable = dict(zip(variables, (*kept_vars, *donated_vars), strict=True))
         others = self.dyn_groups[0] + self.dyn_groups[1]
-        leaves = dict(zip(others, (*kept_dyn, *donated_dyn), strict=True)) | self.passed_values
+        leaves = dict(zip(others, (*kept_dyn, *donated_dyn), strict=True)) | self.passed
         for k, pos in enumerate(self.node_pos):
             paths = self.split.paths
             leaves[pos] = _as_state(
