@@ -100,3 +100,63 @@ def test_specs_with_keyword_arguments_say_keywords_take_none():
     with pytest.raises(ml.PlanError, match=r"x came by keyword.*keyword arguments take no specs"):
         f(layer, x=jnp.ones((8, 4)))
     assert f(layer, jnp.ones((8, 4))).shape == (8, 4)
+
+
+def test_variable_whose_shape_changed_so_its_plan_no_longer_fits_is_named():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    forward = ml.jit(lambda m, x: m(x), in_shardings=(plan, P()), mesh=mesh)
+    layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    forward(layer, jnp.ones((2, 4)))
+    layer.kernel.set_value(jnp.ones((4, 6)))
+    layer.bias.set_value(jnp.ones((6,)))
+    kernel = layer.kernel.get_raw_value()
+    with pytest.raises(
+        ml.PlanError,
+        match=r"`m.kernel` \(shape \(4, 6\)\) with in_shardings P\(None, 'model'\) on mesh "
+        r"\{'data': 2, 'model': 4\}: dimension 1 \(size 6\) is not divisible by 4",
+    ):
+        forward(layer, jnp.ones((2, 4)))
+    assert layer.kernel.get_raw_value() is kernel  # nothing moved or written
+    # jax.jit refuses the same sharding for that shape, without a name
+    with pytest.raises(ValueError, match="evenly divide"):
+        jax.device_put(kernel, NamedSharding(mesh, P(None, "model")))
+
+
+def test_output_spec_that_does_not_divide_the_output_is_named():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    double = ml.jit(lambda x: 2 * x, out_shardings=P("model"), mesh=mesh)
+    with pytest.raises(
+        ml.PlanError,
+        match=r"`output` \(shape \(6,\)\) with out_shardings P\('model',\) on mesh "
+        r"\{'data': 2, 'model': 4\}: dimension 0 \(size 6\)",
+    ):
+        double(jnp.ones((6,)))
+    with pytest.raises(ml.PlanError, match=r"`output` \(shape \(6,\)\)"):
+        double.lower(jnp.ones((6,)))
+    with pytest.raises(ValueError, match="evenly divide"):  # the reference: jax.jit, no name
+        jax.jit(lambda x: 2 * x, out_shardings=NamedSharding(mesh, P("model")))(jnp.ones((6,)))
+
+
+def test_two_variables_holding_one_donated_array_are_named_and_left_alone():
+    shared = jnp.ones((4,))
+    model = nnx.Module()
+    model.p, model.q = nnx.Param(shared), nnx.Param(shared)
+
+    def step(m):
+        m.p[...] = m.p[...] + 1
+        m.q[...] = m.q[...] * 2
+
+    with pytest.raises(ValueError, match=r"`m.p` and `m.q` hold the same array, and it is donated"):
+        ml.jit(step, donate_argnums=0)(model)
+    assert model.p.get_raw_value() is shared and model.q.get_raw_value() is shared
+    assert not shared.is_deleted()
+    # the reference: jax.jit refuses the same buffer donated twice, naming neither
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        jax.jit(lambda a, b: (a + 1, b * 2), donate_argnums=(0, 1))(shared, shared)
+    # a donated array that a kept argument holds too
+    single = nnx.Module()
+    single.p = nnx.Param(shared)
+    with pytest.raises(ValueError, match=r"`x` and `m.p` hold the same array"):
+        ml.jit(lambda m, x: m.p[...] + x, donate_argnums=0)(single, shared)
+    assert not shared.is_deleted()

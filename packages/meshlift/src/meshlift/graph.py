@@ -27,8 +27,9 @@ split.scatter(range(len(arrays)), arrays, (model,))
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -42,11 +43,12 @@ from meshlift.structure import Watcher, fingerprint
 
 def is_graph_leaf(x: Any) -> bool:
     """True for what split/merge handles: NNX graph nodes (modules, optimizers, Rngs) and Variables."""
-    return _is_graph_type(type(x))
+    return is_graph_type(type(x))
 
 
 @functools.cache
-def _is_graph_type(cls: type) -> bool:
+def is_graph_type(cls: type) -> bool:
+    """`is_graph_leaf` by type."""
     # Cached per type: isinstance through flax's metaclass is slow on the per-call path.
     # Node types register when their class is created, before any instance reaches here.
     return issubclass(cls, nnx.Variable) or cls in graphlib.GRAPH_REGISTRY
@@ -125,6 +127,7 @@ class GraphSplit:
         all_variables = all(isinstance(v, nnx.Variable) for v in self.leaves)
         self._slots = slots if slots is not None and all_variables else None
         self.fast = self._slots is not None and not any(v.hijax or v.ref for v in self.leaves)
+        self._write = self._slots.write if self.fast else _set_raw_value
 
     # -- per call ---------------------------------------------------------
     def unchanged(self) -> bool:
@@ -138,15 +141,18 @@ class GraphSplit:
         return tuple(map(raw, self.leaves))
 
     def scatter(
-        self, positions: Iterable[int], values: Iterable[Any], nodes: tuple[Any, ...]
+        self, positions: Sequence[int], values: Sequence[Any], nodes: tuple[Any, ...]
     ) -> None:
         """Write each value at its split position (validated by the caller).
 
         A Variable takes the value; an array stored on a module (`nnx.data`) is
         replaced on its parent, found from `nodes` (this call's top-level nodes).
         """
-        leaves, homes = self.leaves, self._homes
-        write = self._slots.write if self.fast else _set_raw_value
+        homes = self._homes
+        if not homes or homes.keys().isdisjoint(positions):  # Variables only: a C-level loop
+            targets = map(self.leaves.__getitem__, positions)
+            collections.deque(map(self._write, targets, values), maxlen=0)
+            return
         moved = []
         for i, value in zip(positions, values, strict=True):
             if i in homes:
@@ -155,9 +161,9 @@ class GraphSplit:
                 graphlib.get_node_impl(parent).set_key(parent, key, value)
                 moved.append((i, value))
             else:
-                write(leaves[i], value)
+                self._write(self.leaves[i], value)
         if moved:  # the split now sees the new arrays, and so does the watcher
-            new_leaves = list(leaves)
+            new_leaves = list(self.leaves)
             for i, value in moved:
                 new_leaves[i] = value
             self.leaves = tuple(new_leaves)

@@ -55,6 +55,7 @@ from meshlift.graph import (
     decode_outputs,
     encode_outputs,
     is_graph_leaf,
+    is_graph_type,
 )
 from meshlift.mesh import current_mesh
 from meshlift.paths import Path, PlanError, TraceLeakError, format_path, listing
@@ -138,20 +139,20 @@ class Lifted:
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back."""
         layout, call = self._layout(args, kwargs)
-        with layout.named_errors():
+        with layout.named_errors(call):
             return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lower for these arguments; `.compile()` gives a `Compiled` called like this
         function, without the static arguments (they are part of the program)."""
         layout, call = self._layout(args, kwargs)
-        with layout.named_errors():
+        with layout.named_errors(call):
             return Lowered(layout.staged.lower(*layout.placed_inputs(call)), layout)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
         layout, call = self._layout(args, kwargs)
-        with layout.named_errors():
+        with layout.named_errors(call):
             return layout.eval_shape(call)
 
     @property
@@ -194,7 +195,7 @@ class Lifted:
         """
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
-        positions = tuple(i for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
+        positions = _node_positions(tuple(map(type, leaves)))
         nodes = tuple(map(leaves.__getitem__, positions))
         mesh = self._call_site_mesh() if mesh is None else mesh
         key = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
@@ -449,6 +450,7 @@ class _Layout:
         var_donated = [donated[self.node_pos[path[0]]] for path in self.split.paths]
         self.var_groups = _partition(range(len(self.var_shardings)), var_donated)
         self.dyn_groups = _partition(self.dyn_pos, [donated[i] for i in self.dyn_pos])
+        self._pick_dyn = _picker(self.dyn_pos)
         self.donated = bool(self.var_groups[1] or self.dyn_groups[1])
         in_shardings = (
             tuple(self.var_shardings[i] for i in self.var_groups[0]),
@@ -489,7 +491,7 @@ class _Layout:
         """The staged function's four arguments."""
         leaves = call.leaves
         if not self.donated:
-            return tuple(values), tuple(leaves[i] for i in self.dyn_pos), (), ()
+            return tuple(values), self._pick_dyn(leaves), (), ()
         return (
             tuple(values[i] for i in self.var_groups[0]),
             tuple(leaves[i] for i in self.dyn_groups[0]),
@@ -512,6 +514,8 @@ class _Layout:
         any other argument JAX refuses is named in the error, never moved.
         """
         values = self.split.gather()
+        if self.donated:
+            self._refuse_shared_donation(values, call)
         placed = None if self.placed else _onto(values, self.var_shardings)
         try:
             try:
@@ -527,12 +531,47 @@ class _Layout:
             self.rename_staged(error)
             if self.donated:
                 self._note_consumed(error, values)
+            self._name_indivisible(error, call)
             raise
         var_out, extra, user_out, aux = outputs
         info = aux.info
         index_map = self._write_back(info, values, placed, var_out, extra, call)
         self.placed = True
         return info.decode(user_out, index_map)
+
+    def _refuse_shared_donation(self, values: Sequence[Any], call: _Call) -> None:
+        """Refuse, naming both, a donated array that another input holds too (two Params
+        of one array, say): JAX cannot donate a buffer twice, nor read one it donated."""
+        kept_vars, kept_dyn, donated_vars, donated_dyn = self.inputs(values, call)
+        donated = [*donated_vars, *donated_dyn]
+        ids = list(map(id, donated))
+        if len(set(ids)) == len(ids) and set(ids).isdisjoint(map(id, (*kept_vars, *kept_dyn))):
+            return
+        var_name = [format_path(self._variable_path(i)) for i in range(len(values))]
+        dyn_name = {i: format_path(self.leaf_paths[i]) for i in self.dyn_pos}
+        (kept_var_pos, donated_var_pos), (kept_dyn_pos, donated_dyn_pos) = (
+            self.var_groups,
+            self.dyn_groups,
+        )
+        names = [
+            *map(var_name.__getitem__, kept_var_pos),
+            *map(dyn_name.__getitem__, kept_dyn_pos),
+            *map(var_name.__getitem__, donated_var_pos),
+            *map(dyn_name.__getitem__, donated_dyn_pos),
+        ]
+        inputs = [*kept_vars, *kept_dyn, *donated]
+        first: dict[int, str] = {}
+        for name, value in zip(names, inputs, strict=True):
+            if not isinstance(value, jax.Array):
+                continue
+            if id(value) in first and (id(value) in ids):
+                raise ValueError(
+                    f"`{first[id(value)]}` and `{name}` hold the same array, and it is donated "
+                    f"to {self.lifted.fun_name}: JAX cannot donate one buffer twice or read a "
+                    f"buffer it donated. Give one of them its own copy (`jnp.copy`), or do not "
+                    f"donate it. Nothing was changed."
+                )
+            first.setdefault(id(value), name)
 
     def _refuse_misplaced_leaves(self, call: _Call) -> None:
         """Refuse, naming it, an argument array committed to a sharding other than its spec's
@@ -558,12 +597,41 @@ class _Layout:
             )
 
     @contextlib.contextmanager
-    def named_errors(self) -> Iterator[None]:
+    def named_errors(self, call: _Call | None = None) -> Iterator[None]:
         try:
             yield
         except Exception as error:
             self.rename_staged(error)
+            self._name_indivisible(error, call)
             raise
+
+    def _name_indivisible(self, error: BaseException, call: _Call | None) -> None:
+        """JAX found a sharding that does not divide a shape, without saying whose: raise a
+        PlanError naming the argument or output (a Variable whose shape changed since its
+        plan was resolved, an output spec that does not fit). Without this call's leaves
+        (`call` None) only the Variables are looked at."""
+        if not isinstance(error, ValueError) or "evenly divide" not in str(error):
+            return
+        in_name, mesh = self.lifted.in_name, self.mesh
+        try:
+            values = self.split.gather()
+            for i, (value, sharding) in enumerate(zip(values, self.var_shardings, strict=True)):
+                path = format_path(self._variable_path(i))
+                resolve.to_sharding(sharding, mesh, path, value, in_name)
+            if call is None:
+                return
+            for pos, sharding in self.dyn_shardings.items():
+                path = format_path(self.leaf_paths[pos])
+                resolve.to_sharding(sharding, mesh, path, call.leaves[pos], in_name)
+            out_specs = self.lifted.specs_on(mesh)[1]
+            abstract_out, info = self._abstract_outputs(PureFunction(self.lifted, self), call)
+            resolve.output_shardings(
+                out_specs, abstract_out, info.outputs, mesh, self.lifted.out_name
+            )
+        except PlanError as named:
+            raise named from error
+        except Exception:  # the explanation failed: JAX's own error stands
+            return
 
     def rename_staged(self, error: BaseException) -> None:
         """Put the caller's names in a JAX error that names the staged function's inputs
@@ -861,7 +929,16 @@ def _picker(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, 
     """A function taking the items at `positions` out of a sequence, as a tuple."""
     if len(positions) > 1:
         return operator.itemgetter(*positions)
-    return lambda items: tuple(items[i] for i in positions)
+    if positions:
+        (i,) = positions
+        return lambda items: (items[i],)
+    return lambda items: ()
+
+
+@functools.lru_cache(maxsize=256)
+def _node_positions(types: tuple[type, ...]) -> tuple[int, ...]:
+    """Where the graph nodes are among leaves of these types (cached: on the per-call path)."""
+    return tuple(i for i, cls in enumerate(types) if is_graph_type(cls))
 
 
 def _updatable(leaf: Any) -> bool:

@@ -191,17 +191,21 @@ class Watcher:
 
     def snapshot(self) -> None:
         """Take the current state as the unchanged one (after meshlift itself wrote to it)."""
-        self._sizes = self._lengths()
-        self._keys, self._values = self._contents()
+        self._sizes = list(map(len, self._sized))
+        self._keys = list(chain.from_iterable(self._dicts))
+        self._values = list(self._value_stream())
         self._set_copies = [frozenset(s) for s in self._sets]
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
 
     def unchanged(self) -> bool:
-        if self._lengths() != self._sizes:
+        # Every loop below runs in C: this is on the per-call path.
+        if list(map(len, self._sized)) != self._sizes:
             return False
-        keys, values = self._contents()
         # Keys are names, so equality is right (and fast); values must be the same objects.
-        if keys != self._keys or not all(map(operator.is_, values, self._values)):
+        # Lengths are equal, so the value streams line up one to one.
+        if list(chain.from_iterable(self._dicts)) != self._keys:
+            return False
+        if not all(map(operator.is_, self._value_stream(), self._values)):
             return False
         if self._sets and any(
             frozenset(s) != copy for s, copy in zip(self._sets, self._set_copies, strict=True)
@@ -214,16 +218,16 @@ class Watcher:
         except Exception:  # an array in the metadata compared elementwise: call it changed
             return False
 
-    def _lengths(self) -> list[int]:
-        return list(map(len, self._sized))
-
-    def _contents(self) -> tuple[list[Any], list[Any]]:
-        """The keys, and the values, of everything watched (lengths are checked apart)."""
-        values = list(chain.from_iterable(map(dict.values, self._dicts)))
-        values += chain.from_iterable(self._sequences)
-        for obj, names in self._slotted:
-            values += (getattr(obj, name, _MISSING) for name in names)
-        return list(chain.from_iterable(self._dicts)), values
+    def _value_stream(self) -> Iterable[Any]:
+        """Every watched value in a fixed order: dict values, sequence items, slots."""
+        values = chain(
+            chain.from_iterable(map(dict.values, self._dicts)),
+            chain.from_iterable(self._sequences),
+        )
+        if not self._slotted:
+            return values
+        slots = (getattr(obj, name, _MISSING) for obj, names in self._slotted for name in names)
+        return chain(values, slots)
 
     def _watch(self, obj: Any, seen: set[int]) -> None:
         if isinstance(obj, self._skip) or id(obj) in seen:
