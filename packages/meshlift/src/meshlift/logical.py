@@ -6,7 +6,13 @@ rule gives its mesh axes to its dimension if that dimension has none yet, the
 axes exist (in the mesh, when a mesh is known) and no other dimension of the
 same array already uses them. A name with no rule is replicated, and no spec
 ever uses a mesh axis twice (flax's linen semantics; NNX's resolver can
-return `P('model', 'model')`).
+return `P('model', 'model')`). A rule may map a name to
+`PartitionSpec.UNCONSTRAINED` (the compiler chooses that dimension), as in flax.
+
+There is one rules context, flax's: `ml.axis_rules`, `ml.logical.set_axis_rules`,
+flax's `nn.logical_axis_rules` and `meshlift.partitioning.axis_rules` (the
+`flax.linen.partitioning` names) all set it, and meshlift and flax's own
+helpers (`nn.with_logical_constraint`, `param_with_axes`, ...) all read it.
 
 Example:
 
@@ -24,7 +30,6 @@ with ml.axis_rules(rules):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -34,16 +39,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshlift.mesh import current_mesh
 
-MeshAxes: TypeAlias = str | tuple[str, ...] | None
+MeshAxes: TypeAlias = str | tuple[str, ...] | None  # or PartitionSpec.UNCONSTRAINED
 Rules: TypeAlias = Sequence[tuple[str, MeshAxes]]
 
-_RULES: contextvars.ContextVar[tuple[tuple[str, MeshAxes], ...] | None] = contextvars.ContextVar(
-    "meshlift_axis_rules", default=None
-)
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+_FALLBACKS = ("axis_is_unsharded", "raise_error", "no_constraint")  # flax's RulesFallback values
 
 
 def check_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
-    """`rules` as a tuple of `(name, mesh_axes)` pairs; a TypeError saying what is wrong."""
+    """`rules` as a tuple of `(name, mesh_axes)` pairs; an error saying what is wrong.
+
+    A TypeError for a malformed rule, a ValueError for a rule whose mesh axes
+    repeat an axis (`("batch", ("x", "x"))`: no dimension can be split over
+    one mesh axis twice).
+    """
     if isinstance(rules, str | Mapping) or not isinstance(rules, Sequence):
         raise TypeError(
             f"axis rules must be a list of (logical_name, mesh_axes) pairs, got "
@@ -61,12 +70,21 @@ def check_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
             axes = tuple(axes)
         if not isinstance(name, str) or not (
             axes is None
+            or axes is UNCONSTRAINED
             or isinstance(axes, str)
             or (isinstance(axes, tuple) and all(isinstance(a, str) for a in axes))
         ):
             raise TypeError(
                 f"axis rule {rule!r}: the logical name must be a string and the mesh axes a "
-                f"string, a tuple of strings or None"
+                f"string, a tuple of strings, None or PartitionSpec.UNCONSTRAINED"
+            )
+        if isinstance(axes, tuple) and len(set(axes)) < len(axes):
+            repeated = sorted({a for a in axes if axes.count(a) > 1})
+            once = tuple(dict.fromkeys(axes))
+            raise ValueError(
+                f"axis rule {rule!r} uses the mesh axis {repeated[0]!r} twice; a dimension is "
+                f"split over each mesh axis at most once: write "
+                f"{(name, once[0] if len(once) == 1 else once)!r}"
             )
         out.append((name, axes))
     return tuple(out)
@@ -74,7 +92,13 @@ def check_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
 
 @contextlib.contextmanager
 def axis_rules(rules: Rules) -> Iterator[tuple[tuple[str, MeshAxes], ...]]:
-    """Set the logical axis rules for the block (flax's `nn.logical_axis_rules` too).
+    """Set the logical axis rules for the block; checked here, refused if malformed.
+
+    The rules go into flax's one rules context, so flax's helpers
+    (`nn.with_logical_constraint`, `nn.logical_to_mesh_sharding`,
+    `param_with_axes`) see them too, and rules set by flax's
+    `nn.logical_axis_rules` are seen by meshlift. The block yields the
+    rules as checked (a tuple of pairs).
 
     Example:
 
@@ -84,26 +108,47 @@ def axis_rules(rules: Rules) -> Iterator[tuple[tuple[str, MeshAxes], ...]]:
         lambda: nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
     )
     with ml.axis_rules([("batch", "data"), ("hidden", "model")]):
-        specs = ml.get_partition_spec(abstract_variables)   # logical names resolved
+        specs = ml.get_partition_spec(abstract_variables)   # NNX: resolved, as nnx's is
     assert specs["kernel"].get_value() == P(None, "model")
     ```
     """
     checked = check_rules(rules)
-    token = _RULES.set(checked)
-    try:
-        with flax_spmd.logical_axis_rules(checked):  # flax's own helpers see the same rules
-            yield checked
-    finally:
-        _RULES.reset(token)
+    # stored as given, as flax's own context stores them (`get_axis_rules()` returns them)
+    with flax_spmd.logical_axis_rules(rules):
+        yield checked
+
+
+def set_axis_rules(rules: Rules) -> None:
+    """Set the logical axis rules from here on (flax's `set_axis_rules`), after checking them.
+
+    Example:
+
+    ```python
+    from meshlift.logical import get_axis_rules, set_axis_rules
+
+    set_axis_rules((("batch", "data"),))
+    assert get_axis_rules() == (("batch", "data"),)
+    assert ml.logical_to_mesh(("batch", None)) == P("data", None)
+    set_axis_rules(())
+    ```
+    """
+    check_rules(rules)
+    flax_spmd.set_logical_axis_rules(rules)
+
+
+def get_axis_rules() -> Any:
+    """The logical axis rules in context, as they were given (`()` when none are set)."""
+    return flax_spmd.get_logical_axis_rules()
 
 
 def current_rules() -> tuple[tuple[str, MeshAxes], ...] | None:
-    """The rules of the innermost `ml.axis_rules` block, else None."""
-    return _RULES.get()
+    """The rules in context (`ml.axis_rules` or flax's), checked; None when none are set."""
+    rules = flax_spmd.get_logical_axis_rules()
+    return check_rules(rules) if rules else None
 
 
 def _axes_of(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
+    if axes is None or axes is UNCONSTRAINED:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
@@ -124,21 +169,37 @@ def logical_to_mesh_axes(
 ) -> PartitionSpec | None:
     """The mesh `PartitionSpec` for one array whose dimensions have logical `names`.
 
-    `rules` default to those of `ml.axis_rules`. With a `mesh` (a Mesh or
-    `{"data": 2, ...}`), a rule whose mesh axes the mesh lacks is skipped, so
-    a later fallback applies.
+    `rules` default to those in context (`ml.axis_rules`). With a `mesh` (a
+    Mesh or `{"data": 2, ...}`), a rule whose mesh axes the mesh lacks is
+    skipped, so a later fallback applies. Entries that are not names (None,
+    `PartitionSpec.UNCONSTRAINED`) are kept, and a rule may give
+    `PartitionSpec.UNCONSTRAINED`, as in flax.
 
     Example:
 
     ```python
     rules = [("embed", "data"), ("embed", "model"), ("mlp", "model")]
     assert ml.logical_to_mesh_axes(("mlp", "embed"), rules) == P("model", "data")
+    free = ml.logical_to_mesh_axes(("embed", "seq"), [("seq", P.UNCONSTRAINED)])
+    assert free == P(None, P.UNCONSTRAINED)
     ```
     """
     if names is None:
         return None
-    rules = _resolve_rules(rules)
-    names = tuple(names)
+    assigned = _assign(tuple(names), _resolve_rules(rules), mesh)
+    return PartitionSpec(*(None if a is _UNASSIGNED else a for a in assigned))
+
+
+_UNASSIGNED = object()  # a logical name no rule has given mesh axes to (yet)
+
+
+def _assign(
+    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], mesh: Any
+) -> list[Any]:
+    """One entry per dimension: its mesh axes, or `_UNASSIGNED` for a name no rule fits.
+
+    Entries that are not names (None, `PartitionSpec.UNCONSTRAINED`) are kept as they are.
+    """
     seen: set[str] = set()
     for name in names:
         if isinstance(name, str):
@@ -148,8 +209,7 @@ def logical_to_mesh_axes(
                     f"may name one dimension of an array (rename one of them)"
                 )
             seen.add(name)
-    unassigned = object()
-    result: list[Any] = [unassigned if isinstance(n, str) else n for n in names]
+    result: list[Any] = [_UNASSIGNED if isinstance(n, str) else n for n in names]
     used: set[str] = set()
     available = _mesh_axis_names(mesh)
     for name, axes in rules:
@@ -157,20 +217,23 @@ def logical_to_mesh_axes(
             continue
         dim = names.index(name)
         wanted = _axes_of(axes)
-        if result[dim] is not unassigned or used.intersection(wanted):
+        if result[dim] is not _UNASSIGNED or used.intersection(wanted):
             continue
         if available is not None and not available.issuperset(wanted):
             continue
         result[dim] = axes
         used.update(wanted)
-    return PartitionSpec(*(None if r is unassigned else r for r in result))
+    return result
 
 
 def _is_logical_leaf(x: Any) -> bool:
     return (
         x is None
         or isinstance(x, PartitionSpec)
-        or (isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x))
+        or (
+            isinstance(x, tuple)
+            and all(e is None or e is UNCONSTRAINED or isinstance(e, str) for e in x)
+        )
     )
 
 
@@ -212,15 +275,24 @@ def logical_to_mesh_sharding(specs: Any, mesh: Mesh, rules: Rules | None = None)
 
 
 def with_logical_constraint(
-    x: Any, names: Any, rules: Rules | None = None, *, mesh: Mesh | None = None
+    x: Any,
+    names: Any,
+    rules: Rules | None = None,
+    mesh: Mesh | None = None,
+    fallback: Any = "axis_is_unsharded",
 ) -> Any:
-    """`jax.lax.with_sharding_constraint` with logical dimension names.
+    """`jax.lax.with_sharding_constraint` with logical dimension names (flax's semantics).
 
     The mesh is `mesh=`, else the one of `ml.use_mesh` (`jax.set_mesh`),
     else the deprecated `with mesh:` context; with none, `x` is returned
     unchanged (one device: nothing to constrain); with no rules at all, too (as in
-    flax). A name without a rule is replicated. `x` may be a pytree, with
-    `names` a matching tree of name tuples.
+    flax). `x` may be a pytree, with `names` a matching tree of name tuples.
+    A name may be `PartitionSpec.UNCONSTRAINED` (the compiler chooses).
+
+    `fallback` says what a name that no rule maps does, as flax's
+    `RulesFallback` (its members or their values): `"axis_is_unsharded"`
+    (default: replicated along it), `"raise_error"` (a ValueError, also
+    without a mesh), `"no_constraint"` (that array is left unconstrained).
 
     Example:
 
@@ -228,17 +300,32 @@ def with_logical_constraint(
     mesh = ml.make_mesh({"data": 2, "model": 4})
     with ml.use_mesh(mesh), ml.axis_rules([("batch", "data")]):
         y = ml.with_logical_constraint(jnp.ones((8, 16)), ("batch", "embed"))   # P('data', None)
+        z = ml.with_logical_constraint(y, ("batch", P.UNCONSTRAINED))   # P('data', UNCONSTRAINED)
+        same = ml.with_logical_constraint(y, ("batch", "embed"), fallback="no_constraint")
     ```
     """
-    mesh = mesh if mesh is not None else current_mesh(legacy=True)
     rules = _resolve_rules(rules)
-    if mesh is None or names is None or not rules:
+    if names is None or not rules:
         return x
+    mode = _check_fallback(fallback)
+    mesh = mesh if mesh is not None else current_mesh(legacy=True)
 
     def constrain(spec_names: Any, value: Any) -> Any:
         if spec_names is None:
             return value
-        spec = logical_to_mesh_axes(spec_names, rules, mesh=mesh)
+        assigned = _assign(tuple(spec_names), rules, mesh)
+        missing = [n for n, a in zip(tuple(spec_names), assigned, strict=True) if a is _UNASSIGNED]
+        if missing and mode == "raise_error":
+            raise ValueError(
+                f"logical names {tuple(spec_names)} did not match a rule: no rule gives mesh "
+                f"axes to {', '.join(map(repr, missing))} (rules: {rules}"
+                + (f", mesh axes: {sorted(_mesh_axis_names(mesh))}" if mesh is not None else "")
+                + "); add a rule such as ('name', 'model'), or pass "
+                "fallback=RulesFallback.AXIS_IS_UNSHARDED to replicate along it"
+            )
+        if (missing and mode == "no_constraint") or mesh is None:
+            return value
+        spec = PartitionSpec(*(None if a is _UNASSIGNED else a for a in assigned))
         return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
     if _is_logical_leaf(names):
@@ -246,6 +333,17 @@ def with_logical_constraint(
             return constrain(names, x)
         return jax.tree.map(lambda v: constrain(names, v), x)
     return jax.tree.map(constrain, names, x, is_leaf=_is_logical_leaf)
+
+
+def _check_fallback(fallback: Any) -> str:
+    """The value of a flax `RulesFallback` (or the value itself); a ValueError if unknown."""
+    value = getattr(fallback, "value", fallback)
+    if value not in _FALLBACKS:
+        raise ValueError(
+            f"fallback={fallback!r} is not one of flax's RulesFallback values {_FALLBACKS}; "
+            f"pass e.g. flax.linen.spmd.RulesFallback.NO_CONSTRAINT or 'no_constraint'"
+        )
+    return value
 
 
 def _resolve_rules(rules: Rules | None) -> tuple[tuple[str, MeshAxes], ...]:

@@ -1,9 +1,13 @@
 """Sharding metadata: annotate parameters where they are made, read the plan back from them.
 
 One API for NNX and linen. `ml.with_partitioning` wraps an initializer: in
-an NNX module the Variable gets flax's `out_sharding` metadata; in a linen
-module the value is boxed in flax's `nn.Partitioned` (`with_logical_partitioning`:
-`nn.LogicallyPartitioned`). Annotations made by flax's own functions read the same.
+an NNX module the Variable gets flax's `out_sharding` metadata; for a linen
+module, or flax.core's functional `Scope` API (`scope.param`), the value is
+boxed in flax's `nn.Partitioned` (`with_logical_partitioning`:
+`nn.LogicallyPartitioned`). An NNX module built inside linen
+(`flax.nnx.bridge.to_linen`) gets NNX metadata, a linen module inside NNX
+(`bridge.ToNNX`) gets boxes: what counts is who creates the parameter.
+Annotations made by flax's own functions read the same.
 
 The tree functions accept NNX modules, `nnx.State`, linen variable dicts
 with boxes, `TrainState`s and `jax.eval_shape` outputs.
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -69,7 +75,8 @@ def with_partitioning(
 
     In NNX the Variable gets `out_sharding=names` metadata (and is placed on
     that sharding at once if a mesh is known: `mesh=` or `ml.use_mesh`);
-    in linen the value is boxed in `nn.Partitioned`.
+    for linen and flax.core's `scope.param` the value is boxed in
+    `nn.Partitioned` (the box `nn.with_partitioning` makes).
 
     Example:
 
@@ -80,6 +87,12 @@ def with_partitioning(
     nnx.Linear(16, 32, kernel_init=kernel_init, rngs=nnx.Rngs(0))     # NNX
     nn.Dense(32, kernel_init=ml.with_partitioning(nn.initializers.lecun_normal(),
                                                   (None, "model")))   # linen
+
+    from flax import core                                             # flax.core's Scope API
+    def dense(scope, x):
+        return x @ scope.param("kernel", kernel_init, (x.shape[-1], 32))
+    _, variables = core.init(dense)(jax.random.key(0), jnp.ones((8, 16)))
+    assert isinstance(variables["params"]["kernel"], nn.Partitioned)
     ```
     """
     names = _check_names(names, "with_partitioning")
@@ -87,7 +100,7 @@ def with_partitioning(
     @functools.wraps(init_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         value = init_fn(*args, **kwargs)
-        if compat.in_linen_module():
+        if _for_flax_scope():
             return flax_meta.Partitioned(value, names, mesh=mesh)
         value = _place(value, PartitionSpec(*names), mesh)
         metadata = {"out_sharding": names, "eager_sharding": False}
@@ -107,9 +120,9 @@ def with_logical_partitioning(
     """Like `with_partitioning` with logical `names`, mapped to mesh axes by axis rules.
 
     In NNX the Variable gets `out_sharding=names` and `sharding_rules=rules`
-    (flax's own marker of a logical annotation); in linen the value is boxed in
-    `nn.LogicallyPartitioned`. Rules given here apply to this parameter
-    before those of `ml.axis_rules`.
+    (flax's own marker of a logical annotation); for linen and flax.core's
+    `scope.param` the value is boxed in `nn.LogicallyPartitioned`. Rules
+    given here apply to this parameter before those of `ml.axis_rules`.
 
     Example:
 
@@ -128,7 +141,7 @@ def with_logical_partitioning(
     @functools.wraps(init_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         value = init_fn(*args, **kwargs)
-        if compat.in_linen_module():
+        if _for_flax_scope():
             from flax.linen import spmd as linen_spmd
 
             return linen_spmd.LogicallyPartitioned(value, names, mesh=mesh, rules=rules)
@@ -141,6 +154,36 @@ def with_logical_partitioning(
         return variablelib.VariableMetadata(value, metadata=metadata)
 
     return wrapper
+
+
+def _for_flax_scope() -> bool:
+    """Whether the initializer runs for a flax.core `Scope` (linen, `core.init`), not for NNX.
+
+    Neither flax.core's `scope.param` nor an NNX constructor keeps a context
+    that says which one is creating a parameter (and an NNX module built by
+    `bridge.to_linen` runs inside a linen module), so the caller's stack is
+    read: the innermost of a `Scope.param`/`Scope.variable` call (a box) and
+    a method of an NNX object (metadata) decides. Neither found: a box inside
+    a linen module, else NNX metadata.
+    """
+    scope_module = sys.modules.get("flax.core.scope")  # not imported: no Scope can be running
+    scope_codes = ()
+    if scope_module is not None:
+        scope_codes = (scope_module.Scope.param.__code__, scope_module.Scope.variable.__code__)
+    here = inspect.currentframe()
+    frame = here.f_back.f_back if here is not None and here.f_back is not None else None
+    try:  # from the initializer's caller outwards
+        while frame is not None:
+            code = frame.f_code
+            if code in scope_codes:
+                return True
+            is_method = code.co_argcount and code.co_varnames[0] == "self"
+            if is_method and isinstance(frame.f_locals.get("self"), nnx.Pytree):
+                return False
+            frame = frame.f_back
+    finally:
+        del here, frame  # no reference cycles through frames
+    return compat.in_linen_module()
 
 
 def _check_names(names: Any, who: str) -> tuple[Any, ...]:
@@ -217,19 +260,7 @@ def _is_box(x: Any) -> bool:
 def _box_annotation(x: Any) -> dict[str, Any]:
     """Names, logical flag, rules and mesh of a flax box or NNX Variable (empty if none)."""
     if isinstance(x, nnx.Variable):
-        md = x.get_metadata()
-        sharding = md.get("out_sharding")
-        if not sharding:
-            return {}
-        mesh = md.get("mesh")
-        if isinstance(sharding, NamedSharding):
-            mesh, sharding = sharding.mesh, sharding.spec
-        return {
-            "names": tuple(sharding),
-            "logical": "sharding_rules" in md,
-            "rules": md.get("sharding_rules"),
-            "mesh": mesh,
-        }
+        return _nnx_annotation(x.get_metadata())
     if hasattr(x, "names"):  # nn.Partitioned, nn.LogicallyPartitioned
         from flax.linen import spmd as linen_spmd
 
@@ -240,7 +271,24 @@ def _box_annotation(x: Any) -> dict[str, Any]:
             "rules": getattr(x, "rules", None),
             "mesh": x.mesh,
         }
+    if isinstance(x, flax_meta.AxisMetadata) and isinstance(getattr(x, "metadata", None), dict):
+        return _nnx_annotation(x.metadata)  # bridge.NNXMeta: an NNX Variable's metadata in linen
     return {}
+
+
+def _nnx_annotation(md: dict[str, Any]) -> dict[str, Any]:
+    sharding = md.get("out_sharding")
+    if not sharding:
+        return {}
+    mesh = md.get("mesh")
+    if isinstance(sharding, NamedSharding):
+        mesh, sharding = sharding.mesh, sharding.spec
+    return {
+        "names": tuple(sharding),
+        "logical": "sharding_rules" in md,
+        "rules": md.get("sharding_rules"),
+        "mesh": mesh,
+    }
 
 
 def _box_value(x: Any) -> Any:
@@ -298,9 +346,15 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
 
     Boxes are replaced by their spec (as `nn.get_partition_spec` does); for
     NNX modules and `nnx.State` the result is an `nnx.State` of specs.
-    Logical names are mapped by `rules` (else the parameter's own rules and
-    those of `ml.axis_rules`); with no rules at all they are kept as they are,
-    for `ml.logical_to_mesh` to map later.
+
+    Logical names follow flax's two recipes. A linen box
+    (`nn.LogicallyPartitioned`) gives its logical names, as
+    `nn.get_partition_spec` does, also inside `ml.axis_rules`, so that
+    `ml.logical_to_mesh_sharding(specs, mesh, rules)` maps them once (flax's
+    `nn.get_partition_spec` + `nn.logical_to_mesh_sharding`). An NNX Variable's
+    logical names are mapped by its own rules and those in context, as
+    `nnx.get_partition_spec` does (outside any rules they stay logical). Passing
+    `rules=` maps both kinds with exactly those rules.
 
     Example:
 
@@ -313,12 +367,24 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
     abstract = jax.eval_shape(model.init, jax.random.key(0), x)
     specs = ml.get_partition_spec(abstract)   # {'params': {'bias': P(), 'kernel': P(None, 'model')}}
     assert specs["params"]["kernel"] == P(None, "model")
+
+    logical = nn.Dense(32, kernel_init=ml.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))
+    abstract = jax.eval_shape(logical.init, jax.random.key(0), x)
+    rules = [("mlp", "model")]
+    with ml.axis_rules(rules):
+        specs = ml.get_partition_spec(abstract)          # logical: P('embed', 'mlp')
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    shardings = ml.logical_to_mesh_sharding(specs, mesh, rules)
+    assert shardings["params"]["kernel"].spec == P(None, "model")
     ```
     """
 
     def spec(x: Any) -> PartitionSpec:
         ann = _box_annotation(x)
         item = Annotated((), _box_value(x), x, **ann)
+        if rules is None and item.logical and hasattr(x, "names"):
+            return PartitionSpec(*item.names)  # a linen box: logical, as nn.get_partition_spec
         return item.spec(rules, strict=False)
 
     return _map_boxes(spec, tree)
