@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -37,7 +37,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from meshlift import compat
-from meshlift.paths import Path, StructureChangedError, format_path, listing
+from meshlift.paths import Path, PlanError, StructureChangedError, format_path, listing
 from meshlift.structure import Watcher, fingerprint
 
 
@@ -51,7 +51,13 @@ def is_graph_type(cls: type) -> bool:
     """`is_graph_leaf` by type."""
     # Cached per type: isinstance through flax's metaclass is slow on the per-call path.
     # Node types register when their class is created, before any instance reaches here.
-    return issubclass(cls, nnx.Variable) or cls in graphlib.GRAPH_REGISTRY
+    # A hijax Variable is no nnx.Variable: it is taken in to be refused by name (GraphSplit).
+    hijax = getattr(nnx.variablelib, "HijaxVariable", None)
+    return (
+        issubclass(cls, nnx.Variable)
+        or cls in graphlib.GRAPH_REGISTRY
+        or (hijax is not None and issubclass(cls, hijax))
+    )
 
 
 def flatten(node: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -96,17 +102,19 @@ class GraphSplit:
     """The flat view of a tuple of the caller's graph nodes: their leaves in a fixed order.
 
     Leaves are Variables (shared ones once) and arrays stored directly on a
-    module (`nnx.data`). `key` is a fingerprint of the structure (types,
+    module (`nnx.data`). `names[k]`, if given, is the caller's name of node
+    `k`, for errors. `key` is a fingerprint of the structure (types,
     static attributes by content, Variable metadata), never of identities, so
     two models of the same structure share compiled code. A split holds no
     reference to the caller's top-level nodes: it never keeps a dropped model alive.
     """
 
-    def __init__(self, nodes: tuple[Any, ...]):
+    def __init__(self, nodes: tuple[Any, ...], names: Sequence[str] | None = None):
         ref_index = graphlib.RefMap()
         self.graphdef, flat = flatten(nodes, ref_index=ref_index)
         self.paths: tuple[Path, ...] = tuple(flat.paths)
         self.leaves: tuple[Any, ...] = tuple(flat.leaves)
+        _refuse_hijax(self.paths, self.leaves, names)
         self.key = fingerprint(self.graphdef)
         # graph index of each leaf's Variable (None for an array stored on a module)
         self.leaf_index = tuple(
@@ -178,6 +186,24 @@ class GraphSplit:
         return index_map
 
 
+def _refuse_hijax(paths: Sequence[Path], leaves: Sequence[Any], names: Any) -> None:
+    """Refuse hijax Variables (`hijax=True`), naming them: they are no `nnx.Variable`s, and
+    flax's own `nnx.jit` cannot update them in a trace either."""
+    hijax_type = getattr(nnx.variablelib, "HijaxVariable", None)
+    if hijax_type is None:
+        return
+    found = [path for path, leaf in zip(paths, leaves, strict=True) if isinstance(leaf, hijax_type)]
+    if found:
+        shown = [format_path((names[path[0]], *path[1:]) if names else path) for path in found]
+        raise PlanError(
+            f"{listing(shown)} {'is a hijax Variable' if len(found) == 1 else 'are hijax Variables'}"
+            f" (`hijax=True`), which meshlift cannot lift yet (flax's `nnx.jit` cannot update "
+            f"them in a trace either): make "
+            f"{'it a plain Variable' if len(found) == 1 else 'them plain Variables'}"
+            f", or `ref=True` for a mutable array that is updated in place"
+        )
+
+
 def _set_raw_value(variable: Any, value: Any) -> None:
     variable.set_raw_value(value)
 
@@ -223,15 +249,29 @@ class Rebuilt:
         except Exception:  # a static value that compares elementwise
             same = False
         if same and all(leaves[i] is self.values[i] for i in arrays):
-            return ref_index, leaves, None
+            return ref_index, self._in_place(leaves, range(len(leaves))), None
         sources, indices = [], []
         for leaf in flat.leaves:
             is_variable = isinstance(leaf, nnx.Variable)
             outer = self._outer_index.get(leaf) if is_variable else None
             sources.append(leaf_position.get(outer) if outer is not None else None)
             indices.append(ref_index[leaf] if is_variable else None)
+        leaves = self._in_place(leaves, sources)
         update = GraphUpdate(graphdef, tuple(flat.paths), tuple(sources), tuple(indices))
         return ref_index, leaves, update
+
+    def _in_place(self, leaves: list[Any], sources: Iterable[int | None]) -> list[Any]:
+        """`leaves` with flax's "updated in place" marker (a `ref=True` Variable's array
+        reference, mutated through) replaced by the input it stands for: nothing to write."""
+        if _NO_UPDATE is None or not any(type(v) is _NO_UPDATE for v in leaves):
+            return leaves
+        return [
+            self.values[source] if type(v) is _NO_UPDATE and source is not None else v
+            for v, source in zip(leaves, sources, strict=True)
+        ]
+
+
+_NO_UPDATE = getattr(graphlib, "NoUpdate", None)
 
 
 class GraphUpdate:

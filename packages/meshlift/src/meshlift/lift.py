@@ -430,9 +430,10 @@ class _Layout:
         leaves = call.leaves
         self.node_pos = tuple(i for i, leaf in enumerate(leaves) if is_graph_leaf(leaf))
         self.dyn_pos = tuple(i for i, leaf in enumerate(leaves) if not is_graph_leaf(leaf))
-        self.split = GraphSplit(call.nodes)
         sig = lifted.signature
         self.leaf_paths = sig.leaf_paths(args, kwargs, statics)
+        names = [format_path(self.leaf_paths[i]) for i in self.node_pos]
+        self.split = GraphSplit(call.nodes, names)
         donated = sig.donated_leaves(args, kwargs, statics)
         self.var_shardings, self.dyn_shardings = self._in_shardings(args, leaves)
         dyn_shardings = self.dyn_shardings
