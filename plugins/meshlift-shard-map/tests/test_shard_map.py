@@ -3,12 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.testing.models import graph_mode_jit
 from meshlift_shard_map import AxisNameError
 
 
@@ -468,3 +470,49 @@ def test_a_varying_output_error_names_the_variable_and_the_fix(data_mesh):
     assert any("jax.lax.pmean(value, 'data')" in note for note in info.value.__notes__)
     after = jax.tree.leaves(nnx.state(model, nnx.BatchStat))
     assert all(a is b for a, b in zip(before, after, strict=True))  # nothing written
+
+
+def test_one_tensor_parallel_plan_with_data_manual_and_model_automatic(mesh):
+    """axis_names={"data"}: per-shard code over `data` while the compiler keeps the plan's
+    `model` sharding of the parameters; numbers equal one program over the whole batch."""
+    plan = ml.StateSharding(
+        {
+            ml.path_endswith("linear1", "kernel"): P(None, "model"),
+            ml.path_endswith("linear2", "kernel"): P("model", None),
+            ...: P(),
+        }
+    )
+
+    def make():
+        model = MLP(16, 32, 8, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def train_step(model, optimizer, x, y, data_axis=None):
+        def loss_fn(model):
+            loss = jnp.mean((model(x) - y) ** 2)
+            return jax.lax.pmean(loss, data_axis) if data_axis else loss
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jax.random.normal(jax.random.key(2), (8, 8))
+    step = ml.shard_map(
+        lambda m, o, x, y: train_step(m, o, x, y, "data"),
+        mesh=mesh,
+        in_specs=(plan, plan, P("data"), P("data")),
+        out_specs=P(),
+        axis_names={"data"},
+    )
+    reference = graph_mode_jit(train_step)
+    ours, theirs = make(), make()
+    for _ in range(3):
+        np.testing.assert_allclose(step(*ours, x, y), reference(*theirs, x, y), rtol=1e-5)
+    for path in (("linear1", "kernel"), ("linear2", "kernel")):
+        mine, flax_one = ours[0], theirs[0]
+        for name in path:
+            mine, flax_one = getattr(mine, name), getattr(flax_one, name)
+        np.testing.assert_allclose(mine[...], flax_one[...], rtol=1e-5, atol=1e-6)
+        spec = plan.spec_for(path, mine)
+        assert mine[...].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2), path
