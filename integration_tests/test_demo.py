@@ -26,7 +26,7 @@ def _normalize(spec: list | None) -> list:
 
 
 def run_json(capsys, *argv: str) -> dict:
-    assert demo.main(["--steps", STEPS, "--json", *argv]) == 0
+    assert demo.main(["--steps", STEPS, "--json", "--sample", "0", *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -68,12 +68,21 @@ def test_parameters_are_sharded_by_the_plan(result):
         params = {row["path"]: row for row in r["params"]}
         assert set(params) == set(planned), r["backend"]
         assert all(row["matches_plan"] for row in r["params"]), r["backend"]
-        if "auto-partitioning" in r["capabilities"]:
-            for path, spec in planned.items():
-                assert _normalize(params[path]["spec"]) == spec, (r["backend"], path)
-            assert r["param_bytes_per_device"] == result["plan"]["bytes_per_device"]
-        else:  # per-shard backends replicate the parameters
-            assert r["param_bytes_per_device"] == result["plan"]["total_bytes"]
+        for path, spec in planned.items():  # one plan under every backend, shard_map included
+            assert _normalize(params[path]["spec"]) == spec, (r["backend"], path)
+        assert r["param_bytes_per_device"] == result["plan"]["bytes_per_device"], r["backend"]
+
+
+def test_the_trained_model_writes_a_sample(result):
+    sample = result["sample"]
+    assert sample["backend"] == "jit" and sample["decoding"] == "greedy"
+    assert sample["prompt"] == demo.PROMPT and len(sample["prompt"]) == demo.SEQ
+    assert len(sample["text"]) == demo.SAMPLE
+    assert all(ord(c) < demo.VOCAB for c in sample["text"])
+
+
+def test_no_sample_with_sample_zero(capsys):
+    assert run_json(capsys, "--backends", "jit")["sample"] is None
 
 
 def test_demo_is_deterministic(capsys, result):
@@ -85,19 +94,32 @@ def test_demo_is_deterministic(capsys, result):
 
 def test_demo_exits_nonzero_when_backends_disagree(capsys, monkeypatch):
     monkeypatch.setattr(demo, "TOLERANCE", -1.0)  # nothing can agree to a negative tolerance
-    assert demo.main(["--steps", "1", "--json", "--backends", "jit"]) == 1
+    assert demo.main(["--steps", "1", "--json", "--backends", "jit", "--sample", "0"]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out)["agree"] is False
     assert "the backends do not agree" in captured.err
 
 
 def test_demo_tables(capsys):
-    assert demo.main(["--steps", "2", "--mesh", "data=4,model=2"]) == 0
+    assert demo.main(["--steps", "2", "--mesh", "data=4,model=2", "--sample", "12"]) == 0
     out = capsys.readouterr().out
     for name in [b.name for b in ml.backends()]:
         assert name in out
     assert "Δparameter" in out and "agree with jit to 1e-05" in out
     assert "blocks.0.up.kernel" in out and "P(None, 'model')" in out  # the explain table
+    # last, the sample: the prompt and the 12 characters the model wrote after it
+    intro = f"the jit backend's model writes, after the prompt {demo.PROMPT!r}"
+    assert intro in out and "(greedy decoding, 12 characters)" in out
+    line = out[out.index(intro) :].split("\n")[1]  # prompt + what the model wrote, one line
+    assert line.startswith(demo.PROMPT) and len(line) == len(demo.PROMPT) + 12, repr(line)
+
+
+def test_demo_tables_fold_in_80_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert demo.main(["--steps", "1", "--backends", "jit", "--sample", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
 
 
 @pytest.mark.parametrize(
@@ -108,6 +130,7 @@ def test_demo_tables(capsys):
         ["--mesh", "rows=2,model=4"],
         ["--backends", "no-such-backend"],
         ["--steps", "0"],
+        ["--sample", "-1"],
     ],
 )
 def test_demo_rejects_bad_arguments(capsys, argv):

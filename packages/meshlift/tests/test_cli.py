@@ -69,8 +69,37 @@ def broken(site):
     install(site, "meshlift-broken", "0.3", "broken", "import meshlift_no_such_module\n")
 
 
-def test_backends_table(toy, capsys):
+def test_backends_lists_plugins_from_metadata_without_importing_them(toy, broken, capsys):
+    assert main(["backends"]) == 0  # a broken plugin is not imported, so it cannot fail here
+
+    out = capsys.readouterr().out
+    assert "toy" in out and "meshlift-toy" in out and "2.5" in out
+    assert "broken" in out and "meshlift-broken" in out
+    assert "meshlift backends --check" in out
+    assert "toy_cli_plugin" not in sys.modules and "broken_cli_plugin" not in sys.modules
+
+
+def test_backends_listing_leaves_out_disabled_plugins(toy, capsys, monkeypatch):
+    monkeypatch.setenv(plugins.DISABLE_ENV, os.environ[plugins.DISABLE_ENV] + ",toy")
     assert main(["backends"]) == 0
+
+    out = capsys.readouterr().out
+    assert "meshlift-toy" not in out
+    assert "No backends installed" in out and f"Disabled by {plugins.DISABLE_ENV}: " in out
+    assert "toy" in out.split(f"Disabled by {plugins.DISABLE_ENV}: ")[1].strip().split(", ")
+
+
+def test_the_listing_reads_the_same_entry_point_group_as_the_registry():
+    from meshlift import cli
+
+    assert (cli.ENTRY_POINT_GROUP, cli.DISABLE_ENV) == (
+        plugins.ENTRY_POINT_GROUP,
+        plugins.DISABLE_ENV,
+    )
+
+
+def test_backends_check_table(toy, capsys):
+    assert main(["backends", "--check"]) == 0
 
     out = capsys.readouterr().out
     assert "name" in out and "capabilities" in out
@@ -78,8 +107,8 @@ def test_backends_table(toy, capsys):
     assert "failed to load" not in out
 
 
-def test_backends_table_shows_load_errors_below(toy, broken, capsys):
-    assert main(["backends"]) == 1
+def test_backends_check_shows_load_errors_below(toy, broken, capsys):
+    assert main(["backends", "--check"]) == 1
 
     out = capsys.readouterr().out
     assert out.index("toy") < out.index("1 plugin(s) failed to load:")
@@ -87,8 +116,9 @@ def test_backends_table_shows_load_errors_below(toy, broken, capsys):
     assert "MESHLIFT_DISABLE_PLUGINS=<name>" in out
 
 
-def test_backends_with_nothing_installed(site, capsys):
-    assert main(["backends"]) == 0
+@pytest.mark.parametrize("argv", [["backends"], ["backends", "--check"]])
+def test_backends_with_nothing_installed(site, capsys, argv):
+    assert main(argv) == 0
 
     assert "No backends installed. Try: pip install meshlift-jit" in capsys.readouterr().out
 
@@ -171,7 +201,7 @@ def test_the_core_is_installed_with_its_license_and_urls():
         ([], "meshlift plan mymodels:make_mlp --mesh data=2,model=4"),
         (["backends"], "meshlift backends --json"),
         (["plan"], "meshlift plan mymodels:make_mlp --mesh data=2,model=4 --rules"),
-        (["demo"], "example: meshlift demo --steps"),
+        (["demo"], "meshlift demo --steps 60"),
     ],
 )
 def test_help_of_each_command_has_an_example(argv, expected, capsys, demo_env):
@@ -180,6 +210,30 @@ def test_help_of_each_command_has_an_example(argv, expected, capsys, demo_env):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: meshlift {' '.join(argv)}".rstrip())
     assert expected in " ".join(out.split())  # argparse may wrap the example
+
+
+def _examples(help_text: str) -> list[str]:
+    """The example command lines of a --help: the lines under "examples:" that run meshlift."""
+    tail = help_text.split("\nexamples:\n", 1)[1]
+    return [line.strip() for line in tail.splitlines() if line.strip().startswith("meshlift")]
+
+
+@pytest.mark.parametrize("command", [[], ["backends"], ["plan"], ["demo"]])
+def test_help_shows_every_option_with_an_example(command, capsys, demo_env):
+    """Each option a --help lists is used by one of the examples under it."""
+    assert main([*command, "--help"]) == 0
+
+    out = capsys.readouterr().out
+    options = set(re.findall(r"^  (--[a-z-]+)", out, flags=re.M)) - {"--help"}
+    assert options, out
+    examples = _examples(out)
+    for option in options:
+        assert any(option in example.split() for example in examples), (option, examples)
+    if command == ["plan"]:  # the positional argument too
+        assert all("mymodels:make_mlp" in example for example in examples)
+    if not command:  # and every command
+        for name in ("backends", "plan", "demo"):
+            assert any(example.split()[1:2] == [name] for example in examples), name
 
 
 @pytest.fixture
@@ -198,7 +252,14 @@ def test_demo_help_shows_every_option_of_the_demo(flag, capsys, demo_env):
 
     out = capsys.readouterr().out
     assert out.startswith("usage: meshlift demo")
-    for option in ("--steps STEPS", "--mesh MESH", "--backends BACKENDS", "--seed SEED", "--json"):
+    for option in (
+        "--steps STEPS",
+        "--mesh MESH",
+        "--backends BACKENDS",
+        "--seed SEED",
+        "--sample N",
+        "--json",
+    ):
         assert option in out
     assert "default: data=2,model=4" in out
 
@@ -288,6 +349,93 @@ def test_plan_bad_arguments(plan_models, capsys):
     assert main(["plan", "plan_models_cli", "--mesh", "data=2"]) == 2
     assert main(["plan", "plan_models_cli:make_nnx", "--mesh", "data2"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err
+
+
+# -- --show: a picture of the blocks of a parameter over the devices ------------------------
+def test_plan_show_draws_the_blocks_with_their_device_ids(plan_models, capsys):
+    argv = ["plan", "plan_models_cli:make_linen", "--mesh", "data=2,model=4"]
+    (plan_models / "rules.json").write_text('[["hidden", "model"], ["embed", "data"]]')
+    assert main([*argv, "--rules", "rules.json", "--show", "params.kernel"]) == 0
+
+    out = capsys.readouterr().out
+    picture = out[out.index("params.kernel (16, 32) float32") :]
+    cells = [line.split("│")[1:-1] for line in picture.splitlines() if "CPU" in line]
+    # data splits the rows, model the columns: device d holds block (d // 4, d % 4)
+    assert [[c.strip() for c in row] for row in cells] == [
+        ["CPU 0", "CPU 1", "CPU 2", "CPU 3"],
+        ["CPU 4", "CPU 5", "CPU 6", "CPU 7"],
+    ]
+    assert "8 blocks of (8, 8), each on 1 device(s)" in picture
+
+
+def test_plan_show_json_has_every_block_and_its_devices(plan_models, capsys):
+    argv = ["plan", "plan_models_cli:make_nnx", "--mesh", "data=2,model=2", "--json"]
+    assert main([*argv, "--show", "kernel", "--show", "bias"]) == 0
+
+    layouts = {layout["path"]: layout for layout in json.loads(capsys.readouterr().out)["layouts"]}
+    assert layouts["kernel"]["spec"] == [None, "model"]
+    assert [(b["index"], b["devices"]) for b in layouts["kernel"]["blocks"]] == [
+        ([[0, 16], [0, 15]], [0, 2]),
+        ([[0, 16], [15, 30]], [1, 3]),
+    ]
+    assert layouts["bias"]["blocks"] == [{"index": [[0, 30]], "devices": [0, 1, 2, 3]}]
+
+
+@pytest.mark.parametrize(
+    ("show", "error", "hint"),
+    [
+        ("kernl", "no parameter 'kernl' on this plan; did you mean kernel?", "--show bias"),
+        ("linear.kernel", "did you mean kernel?", "the table's first column"),
+    ],
+)
+def test_plan_show_unknown_path_is_one_line_with_near_matches(
+    plan_models, capsys, show, error, hint
+):
+    argv = ["plan", "plan_models_cli:make_nnx", "--mesh", "data=2,model=2", "--show", show]
+    assert main(argv) == 2
+
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 2 and error in lines[0] and hint in lines[1], lines
+
+
+def test_plan_show_of_a_spec_that_does_not_fit_says_why(plan_models, capsys):
+    argv = ["plan", "plan_models_cli:make_nnx", "--mesh", "data=2,model=4", "--show", "kernel"]
+    assert main(argv) == 2  # 30 columns over 4 devices
+
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("error: --show 'kernel': cannot draw `kernel`: dimension 1")
+    assert "without --show" in lines[1]
+
+
+def test_plan_show_in_a_fresh_process_simulates_the_devices_in_80_columns(plan_models):
+    """No XLA_FLAGS: meshlift asks for as many CPU devices as the mesh has; no "…"."""
+    (plan_models / "deep_cli.py").write_text(textwrap.dedent(DEEP_MODEL))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from meshlift.cli import main; raise SystemExit(main())",
+            "plan",
+            "deep_cli:make_deep",
+            "--mesh",
+            "data=2,model=8",
+            "--show",
+            DEEP_PATH,
+        ],
+        cwd=plan_models,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "COLUMNS": "80", "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert "…" not in run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+    picture = run.stdout[run.stdout.index(f"{DEEP_PATH} (64, 256)") :]
+    assert "CPU 7,15" in picture and "8 blocks of (64, 32), each on 2 device(s)" in picture
 
 
 # -- a user's mistakes: `error: ...` and `hint: ...` on stderr, status 2, no traceback ------
@@ -541,7 +689,14 @@ def test_backends_table_in_80_columns_wraps(site, monkeypatch, capsys):
     """
     install(site, "meshlift-a-distribution-with-a-long-name", "10.20.30", "longish", source)
     monkeypatch.setenv("COLUMNS", "80")
-    assert main(["backends"]) == 0
+    assert main(["backends"]) == 0  # from the metadata
+
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert _column(out, 1) == "meshlift-a-distribution-with-a-long-name"
+
+    assert main(["backends", "--check"]) == 0  # imported
 
     out = capsys.readouterr().out
     assert "…" not in out

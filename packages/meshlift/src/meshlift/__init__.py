@@ -17,88 +17,190 @@ assert layer.kernel[...].sharding.spec == P(None, "model")
 ```
 """
 
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from __future__ import annotations
 
-from meshlift import plugins
-from meshlift.backend import Backend, StageSpec
-from meshlift.explain import Explanation, explain
-from meshlift.hookspecs import hookimpl
-from meshlift.lift import Lifted, transform
-from meshlift.logical import (
-    axis_rules,
-    logical_to_mesh,
-    logical_to_mesh_axes,
-    logical_to_mesh_sharding,
-    with_logical_constraint,
-)
-from meshlift.mesh import current_mesh, make_mesh, use_mesh
-from meshlift.metadata import (
-    add_axis,
-    get_partition_spec,
-    get_sharding,
-    remove_axis,
-    replace_boxed,
-    unbox,
-    with_logical_partitioning,
-    with_partitioning,
-)
-from meshlift.paths import PlanError, StructureChangedError, TraceLeakError
-from meshlift.plugins import BackendNotFoundError, backends, get_backend
-from meshlift.sharding import StateSharding, path_endswith
-from meshlift.stages import Compiled, Lowered, Traced
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = version("meshlift")
-except PackageNotFoundError:  # running from a source tree without an install
-    __version__ = "0+unknown"
+# The public names, each imported from its submodule the first time it is used (PEP 562),
+# so that `import meshlift` and the `meshlift` command line start without importing jax.
+# A new public name is one entry here, one import in the TYPE_CHECKING block below and
+# one entry in __all__ (tests/test_cli_imports.py checks that the three agree).
+_LAZY: dict[str, str] = {
+    "Backend": "meshlift.backend",
+    "StageSpec": "meshlift.backend",
+    "Explanation": "meshlift.explain",
+    "explain": "meshlift.explain",
+    "hookimpl": "meshlift.hookspecs",
+    "Lifted": "meshlift.lift",
+    "transform": "meshlift.lift",
+    "axis_rules": "meshlift.logical",
+    "logical_to_mesh": "meshlift.logical",
+    "logical_to_mesh_axes": "meshlift.logical",
+    "logical_to_mesh_sharding": "meshlift.logical",
+    "with_logical_constraint": "meshlift.logical",
+    "current_mesh": "meshlift.mesh",
+    "make_mesh": "meshlift.mesh",
+    "use_mesh": "meshlift.mesh",
+    "add_axis": "meshlift.metadata",
+    "get_partition_spec": "meshlift.metadata",
+    "get_sharding": "meshlift.metadata",
+    "remove_axis": "meshlift.metadata",
+    "replace_boxed": "meshlift.metadata",
+    "unbox": "meshlift.metadata",
+    "with_logical_partitioning": "meshlift.metadata",
+    "with_partitioning": "meshlift.metadata",
+    "PlanError": "meshlift.paths",
+    "StructureChangedError": "meshlift.paths",
+    "TraceLeakError": "meshlift.paths",
+    "BackendNotFoundError": "meshlift.plugins",
+    "backends": "meshlift.plugins",
+    "get_backend": "meshlift.plugins",
+    "StateSharding": "meshlift.sharding",
+    "path_endswith": "meshlift.sharding",
+    "Compiled": "meshlift.stages",
+    "Lowered": "meshlift.stages",
+    "Traced": "meshlift.stages",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports these
+    __version__: str
+
+    from meshlift import plugins
+    from meshlift.backend import Backend, StageSpec
+    from meshlift.explain import Explanation, explain
+    from meshlift.hookspecs import hookimpl
+    from meshlift.lift import Lifted, transform
+    from meshlift.logical import (
+        axis_rules,
+        logical_to_mesh,
+        logical_to_mesh_axes,
+        logical_to_mesh_sharding,
+        with_logical_constraint,
+    )
+    from meshlift.mesh import current_mesh, make_mesh, use_mesh
+    from meshlift.metadata import (
+        add_axis,
+        get_partition_spec,
+        get_sharding,
+        remove_axis,
+        replace_boxed,
+        unbox,
+        with_logical_partitioning,
+        with_partitioning,
+    )
+    from meshlift.paths import PlanError, StructureChangedError, TraceLeakError
+    from meshlift.plugins import BackendNotFoundError, backends, get_backend
+    from meshlift.sharding import StateSharding, path_endswith
+    from meshlift.stages import Compiled, Lowered, Traced
+else:  # hidden from type checkers, so that a misspelt `ml.jti` is still an error there
+
+    def __getattr__(name: str) -> Any:
+        """Import a public name's submodule on first use, and keep the name here."""
+        module = _LAZY.get(name)
+        if name == "__version__":
+            value = _version()
+        elif module is not None:
+            value = getattr(importlib.import_module(module), name)
+        elif (
+            name.isidentifier()
+            and not name.startswith("__")
+            and importlib.util.find_spec(f"{__name__}.{name}") is not None
+        ):
+            value = importlib.import_module(f"{__name__}.{name}")  # `ml.plugins`, `ml.graph`
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(__all__))
 
 
-def jit(fun: Any = None, /, **kwargs: Any) -> Any:
-    """`jax.jit` lifted over stateful models; needs the `meshlift-jit` backend.
+class _Package(types.ModuleType):
+    """The `meshlift` module, keeping `ml.explain` the function.
 
-    Takes every `jax.jit` option plus `mesh=`; see `meshlift_jit.jit`.
-
-    Example:
-
-    ```python
-    mesh = ml.make_mesh({"data": 2, "model": 4})
-    double = ml.jit(lambda x: 2 * x, in_shardings=P("data"), mesh=mesh)
-    assert double(jnp.arange(8.0)).sharding.spec == P("data")
-    ```
+    Importing a submodule sets it as an attribute of its package; `meshlift.explain` is
+    both a submodule and a public function, and the function must win (as it did when
+    this package imported everything eagerly), whoever imports `meshlift.explain` first.
     """
-    return plugins.get_frontend("jit")(fun, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
+            value = getattr(value, name)  # the import system binding meshlift.explain
+        super().__setattr__(name, value)
 
 
-def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
-    """`jax.shard_map` lifted over stateful models; needs the `meshlift-shard-map` backend.
-
-    Example:
-
-    ```python
-    mesh = ml.make_mesh({"data": 8})
-    forward = ml.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("data")),
-                           out_specs=P("data"))
-    layer = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    assert forward(layer, jnp.ones((8, 4))).shape == (8, 4)   # each device: one row
-    ```
-    """
-    return plugins.get_frontend("shard_map")(f, **kwargs)
+sys.modules[__name__].__class__ = _Package
 
 
-def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
-    """Old `pjit` semantics (mesh from the call site) on today's JAX; needs `meshlift-pjit`.
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    Example:
+    try:
+        return version("meshlift")
+    except PackageNotFoundError:  # running from a source tree without an install
+        return "0+unknown"
 
-    ```python
-    double = ml.pjit(lambda x: 2 * x, in_axis_resources=P("data"), out_axis_resources=None)
-    x = jnp.arange(8.0)                 # made outside: under the mesh it is committed
-    with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
-        assert double(x).sharding.is_fully_replicated
-    ```
-    """
-    return plugins.get_frontend("pjit")(fun, *args, **kwargs)
+
+def _frontend(name: str) -> Any:
+    from meshlift import plugins
+
+    return plugins.get_frontend(name)
+
+
+if TYPE_CHECKING:  # the front ends' real signatures, from the backends that provide them
+    from meshlift_jit import jit
+    from meshlift_pjit import pjit
+    from meshlift_shard_map import shard_map
+else:  # at run time each forwards to its backend's front end, found through the plugins
+
+    def jit(fun: Any = None, /, **kwargs: Any) -> Any:
+        """`jax.jit` lifted over stateful models; needs the `meshlift-jit` backend.
+
+        Takes every `jax.jit` option plus `mesh=`; see `meshlift_jit.jit`.
+
+        Example:
+
+        ```python
+        mesh = ml.make_mesh({"data": 2, "model": 4})
+        double = ml.jit(lambda x: 2 * x, in_shardings=P("data"), mesh=mesh)
+        assert double(jnp.arange(8.0)).sharding.spec == P("data")
+        ```
+        """
+        return _frontend("jit")(fun, **kwargs)
+
+    def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
+        """`jax.shard_map` lifted over stateful models; needs the `meshlift-shard-map` backend.
+
+        Example:
+
+        ```python
+        mesh = ml.make_mesh({"data": 8})
+        forward = ml.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("data")),
+                               out_specs=P("data"))
+        layer = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        assert forward(layer, jnp.ones((8, 4))).shape == (8, 4)   # each device: one row
+        ```
+        """
+        return _frontend("shard_map")(f, **kwargs)
+
+    def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Old `pjit` semantics (mesh from the call site) on today's JAX; needs `meshlift-pjit`.
+
+        Example:
+
+        ```python
+        double = ml.pjit(lambda x: 2 * x, in_axis_resources=P("data"), out_axis_resources=None)
+        x = jnp.arange(8.0)                 # made outside: under the mesh it is committed
+        with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
+            assert double(x).sharding.is_fully_replicated
+        ```
+        """
+        return _frontend("pjit")(fun, *args, **kwargs)
 
 
 __all__ = [

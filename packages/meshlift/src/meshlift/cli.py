@@ -2,35 +2,34 @@
 
 ```sh
 meshlift --version           # the core and every backend distribution: version, license
-meshlift backends            # installed backends, and plugins that failed to load
+meshlift backends            # installed backend plugins, from their metadata (fast)
+meshlift backends --check    # import each plugin: capabilities, and plugins that fail to load
 meshlift backends --json
 meshlift plan mypkg.models:make_model --mesh data=2,model=4 [--rules rules.json] [--json]
+meshlift plan mypkg.models:make_model --mesh data=2,model=4 --show layers.0.kernel
 meshlift demo --help         # the demo's own options
 ```
 
 A user's mistake (a factory that needs arguments, a module that does not
-import, a malformed `--mesh`) prints `error: ...` and a `hint: ...` line
-to stderr and exits with status 2, without a traceback.
+import, a malformed `--mesh`, a `--show` path the model lacks) prints
+`error: ...` and a `hint: ...` line to stderr and exits with status 2,
+without a traceback.
+
+jax and flax are imported only by the commands that need them (`plan`,
+`demo`, and the commands that import the plugins), so `meshlift --help` and
+`meshlift backends` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
-import inspect
 import json
 import os
 import sys
-import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import attrs
-from rich.console import Console
-from rich.protocol import rich_cast
-from rich.table import Table
-
-from meshlift import plugins
+if TYPE_CHECKING:
+    from rich.console import Console
 
 USAGE_ERROR = 2  # argparse's status for a usage error; ours for a user's mistake
 
@@ -71,18 +70,31 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         parser.print_help()
         return USAGE_ERROR
     if args.command == "backends":
-        return _backends(as_json=args.json)
+        return _backends(as_json=args.json, check=args.check)
     if args.command == "plan":
-        return _plan(args.target, args.mesh, args.rules, as_json=args.json)
+        return _plan(args.target, args.mesh, args.rules, as_json=args.json, show=args.show or [])
     return _demo(rest[1:] if rest[:1] == ["--"] else rest)
+
+
+def _examples(*lines: tuple[str, str]) -> str:
+    """An epilog: each example command, and under it what it does."""
+    return "examples:\n" + "\n".join(f"  {command}\n      {what}" for command, what in lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshlift",
         description="Lift JAX's SPMD transforms over stateful models.",
-        epilog="examples:\n  meshlift backends\n  meshlift --version\n"
-        "  meshlift plan mymodels:make_mlp --mesh data=2,model=4\n  meshlift demo --help",
+        epilog=_examples(
+            ("meshlift --version", "meshlift and each backend distribution: version, license"),
+            ("meshlift backends", "the installed backend plugins"),
+            (
+                "meshlift plan mymodels:make_mlp --mesh data=2,model=4",
+                "a model's sharding plan: one row per parameter",
+            ),
+            ("meshlift demo", "train a small transformer under every backend and compare"),
+            ("meshlift plan --help", "each command's options, with examples"),
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -93,13 +105,33 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", title="commands")
     backends = commands.add_parser(
         "backends",
-        help="list installed backends and plugins that failed to load",
-        description="List the installed backends and any plugins that failed to load.\n"
-        "Exits with 1 when a plugin failed to load.",
-        epilog="examples:\n  meshlift backends\n  meshlift backends --json | jq '.backends[].name'",
+        help="list the installed backends (--check: and plugins that fail to load)",
+        description="List the installed backend plugins. Without options the list comes from\n"
+        "the packages' metadata (entry points in the 'meshlift' group): nothing is\n"
+        "imported. --check imports every plugin, as meshlift does on first use, and\n"
+        "shows its backends' capabilities and any plugin that fails to load; it then\n"
+        "exits with 1 when a plugin failed to load.",
+        epilog=_examples(
+            ("meshlift backends", "each plugin's name, distribution, version and summary"),
+            (
+                "meshlift backends --check",
+                "import them: each backend's capabilities; exit 1 if a plugin fails to load",
+            ),
+            (
+                "meshlift backends --json | jq '.backends[].name'",
+                "what --check finds, as JSON: {meshlift, backends: [...], errors: [...]}",
+            ),
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    backends.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    backends.add_argument(
+        "--check",
+        action="store_true",
+        help="import every plugin: capabilities, descriptions and load errors (exit 1 on one)",
+    )
+    backends.add_argument(
+        "--json", action="store_true", help="print what --check finds as machine-readable JSON"
+    )
     # The demo parses its own arguments (meshlift.demo.main), --help included: every
     # argument after `demo` goes to it, so its help shows its options and an example.
     commands.add_parser(
@@ -116,21 +148,46 @@ def _parser() -> argparse.ArgumentParser:
         "evaluated abstractly, so nothing is allocated or compiled) with the spec its\n"
         "annotations give on the mesh. Exits with 1 when a spec does not fit.\n"
         "The rules file is JSON: a list of [logical_name, mesh_axis or null] pairs.",
-        epilog="examples:\n  meshlift plan mymodels:make_mlp --mesh data=2,model=4\n"
-        "  meshlift plan mymodels:make_mlp --mesh data=2,model=4 --rules rules.json --json",
+        epilog=_examples(
+            (
+                "meshlift plan mymodels:make_mlp --mesh data=2,model=4",
+                "the plan of make_mlp() from mymodels.py (current folder, or installed)",
+            ),
+            (
+                "meshlift plan mymodels:make_mlp --mesh data=2,model=4 --rules rules.json",
+                'logical axis names mapped by rules.json: [["embed", null], ["mlp", "model"]]',
+            ),
+            (
+                "meshlift plan mymodels:make_mlp --mesh data=2,model=4 --show layers.0.kernel",
+                "and a picture: which devices hold which block of that parameter (repeatable)",
+            ),
+            (
+                "meshlift plan mymodels:make_mlp --mesh data=2,model=4 --json",
+                "the table as JSON (with --show: each block and its device ids too)",
+            ),
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument("target", metavar="MODULE:FACTORY", help="e.g. mypkg.models:make_model")
     plan.add_argument("--mesh", required=True, help="mesh axes and sizes, e.g. data=2,model=4")
     plan.add_argument("--rules", metavar="FILE", help="JSON list of [logical, mesh_axis] pairs")
+    plan.add_argument(
+        "--show",
+        metavar="PATH",
+        action="append",
+        help="draw the device layout of the parameter at PATH, e.g. layers.0.kernel "
+        "(as the table writes it; may be given more than once)",
+    )
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 
 
 # -- plan -----------------------------------------------------------------------------------
-def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool) -> int:
+def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool, show: list[str]) -> int:
     mesh_shape = _mesh_shape(mesh)
     rules = None if rules_file is None else _rules(rules_file)
+    if show:
+        _simulate_devices(mesh_shape)  # before the factory's module can import jax
     factory = _factory(target)
 
     from flax import nnx
@@ -153,11 +210,53 @@ def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool) -> i
             "return an NNX module (e.g. MLP(rngs=nnx.Rngs(0))) or a variable tree such as "
             "linen's model.init(...)",
         )
+    layouts = [_layout(report, path) for path in show]  # every mistake before any output
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        data = report.to_dict()
+        if layouts:
+            data["layouts"] = [layout.to_dict() for layout in layouts]
+        print(json.dumps(data, indent=2))
     else:
-        _console().print(_fold(report))
+        console = _console()
+        console.print(report)
+        for layout in layouts:
+            console.print()
+            console.print(layout)
     return 0 if report.ok else 1
+
+
+def _simulate_devices(mesh_shape: dict[str, int]) -> None:
+    """On CPU, ask XLA for as many devices as the mesh has, unless the user chose a count.
+
+    XLA reads the flag when JAX first creates its devices; an accelerator's own devices
+    are used when there are enough of them (`Explanation.layout`).
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        needed = 1
+        for size in mesh_shape.values():
+            needed *= size
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={needed}".strip()
+
+
+def _layout(report: Any, path: str) -> Any:
+    from meshlift.paths import PlanError
+
+    try:
+        return report.layout(path)
+    except LookupError as error:
+        raise UserError(
+            f"--show {path!r}: {error}",
+            "write a path as the table's first column shows it (meshlift plan without --show "
+            "prints the table), e.g. --show " + report.rows[0].path,
+        ) from None
+    except PlanError as error:
+        raise UserError(
+            f"--show {path!r}: {error}",
+            "run meshlift plan without --show to see every problem of the plan",
+        ) from None
+    except ValueError as error:  # too few devices for the mesh
+        raise UserError(f"--show {path!r}: {error}", "run --show in a fresh process") from None
 
 
 def _mesh_shape(text: str) -> dict[str, int]:
@@ -216,6 +315,8 @@ def _factory(target: str) -> Any:
             f"{target!r} is not MODULE:FACTORY",
             "name a module and a zero-argument callable in it, e.g. mypkg.models:make_model",
         )
+    import importlib
+
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -260,12 +361,16 @@ def _factory(target: str) -> Any:
 
 
 def _check_no_arguments(target: str, factory: Any) -> None:
+    import inspect
+
     try:
         # A class's own __init__: NNX's metaclass hides it behind (*args, **kwargs).
-        signature = inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
+        is_class = isinstance(factory, type)
+        callable_: Any = factory
+        signature = inspect.signature(callable_.__init__ if is_class else callable_)
     except (TypeError, ValueError):  # no signature to read (some builtins): just call it
         return
-    parameters = list(signature.parameters.values())[isinstance(factory, type) :]  # no self
+    parameters = list(signature.parameters.values())[is_class:]  # no self
     required = [
         p.name
         for p in parameters
@@ -285,6 +390,8 @@ def _check_no_arguments(target: str, factory: Any) -> None:
 
 def _describe(error: BaseException) -> str:
     """`Type: first line of the message (at file:line)`, the line in the user's code."""
+    import traceback
+
     if isinstance(error, SyntaxError):
         message, where = error.msg, f" (at {error.filename}:{error.lineno})"
     else:
@@ -302,23 +409,31 @@ def _describe(error: BaseException) -> str:
 
 # -- rich output ----------------------------------------------------------------------------
 def _console() -> Console:
+    from rich.console import Console
+
     # markup off: plugin and model text is not rich markup. The width is the terminal's, or
     # $COLUMNS, or 80 when piped; tables fold long cells there instead of cutting them off.
     return Console(markup=False, highlight=False)
 
 
-def _fold(renderable: Any) -> Any:
-    """`renderable` with every table's cells folded onto more lines, never cut with "…"."""
-    renderable = rich_cast(renderable)
-    for table in [renderable, *getattr(renderable, "renderables", [])]:
-        if isinstance(table, Table):
-            for column in table.columns:
-                column.overflow = "fold"
-    return renderable
+def _table(*headers: str) -> Any:
+    """A rich table whose cells fold onto more lines in a narrow terminal, never cut with "…"."""
+    from rich.table import Table
+
+    table = Table(*headers)
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
 
 
 # -- backends and --version -----------------------------------------------------------------
-def _backends(*, as_json: bool) -> int:
+def _backends(*, as_json: bool, check: bool) -> int:
+    if not (as_json or check):
+        return _listed_backends()
+    import attrs
+
+    from meshlift import plugins
+
     installed = plugins.backends()
     if as_json:
         print(
@@ -328,12 +443,12 @@ def _backends(*, as_json: bool) -> int:
 
     console = _console()
     if installed.backends:
-        table = Table("name", "distribution", "version", "capabilities", "description")
+        table = _table("name", "distribution", "version", "capabilities", "description")
         for b in installed:
             table.add_row(
                 b.name, b.distribution or "-", b.version, ", ".join(b.capabilities), b.description
             )
-        console.print(_fold(table))
+        console.print(table)
     else:
         console.print("No backends installed. Try: pip install meshlift-jit")
     if installed.errors:
@@ -348,15 +463,66 @@ def _backends(*, as_json: bool) -> int:
     return 0
 
 
+# The names meshlift.plugins defines, without importing it (and pluggy) for a listing.
+ENTRY_POINT_GROUP = "meshlift"
+DISABLE_ENV = "MESHLIFT_DISABLE_PLUGINS"
+
+
+def _listed_backends() -> int:
+    """The plugins the installed distributions declare, read from their metadata alone.
+
+    Nothing is imported, so neither jax nor a broken plugin can slow or stop the listing;
+    `--check` imports them as `ml.backends()` does.
+    """
+    from importlib.metadata import entry_points
+
+    disabled = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    rows: dict[tuple[str, str], tuple[str, str, str, str]] = {}
+    skipped = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in disabled:
+            skipped.append(ep.name)
+            continue
+        dist = ep.dist
+        name = dist.name if dist is not None else "-"
+        metadata: Any = dist.metadata if dist is not None else {}
+        rows.setdefault(  # a distribution on sys.path twice is listed once
+            (ep.name, name),
+            (
+                ep.name,
+                name,
+                dist.version if dist is not None else "-",
+                metadata.get("Summary") or "",
+            ),
+        )
+    console = _console()
+    if rows:
+        table = _table("plugin", "distribution", "version", "summary")
+        for row in sorted(rows.values()):
+            table.add_row(*row)
+        console.print(table)
+        console.print(
+            "Read from the packages' metadata. meshlift backends --check imports the plugins: "
+            "their capabilities, and any that fails to load."
+        )
+    else:
+        console.print("No backends installed. Try: pip install meshlift-jit")
+    if skipped:
+        console.print(f"Disabled by {DISABLE_ENV}: {', '.join(sorted(set(skipped)))}")
+    return 0
+
+
 def _version() -> int:
     """One line per distribution: the core, then each backend's, with version and license."""
+    from meshlift import plugins
+
     installed = plugins.backends()
     provides: dict[str, list[str]] = {}  # distribution -> what it provides, in words
     for b in installed:
         provides.setdefault(b.distribution or "-", []).append(f"backend {b.name}")
     for e in installed.errors:
         provides.setdefault(e.distribution or "-", []).append(
-            f"plugin {e.plugin} failed to load (see `meshlift backends`)"
+            f"plugin {e.plugin} failed to load (see `meshlift backends --check`)"
         )
     rows = [("meshlift", _dist_version("meshlift"), _license("meshlift"), "core")]
     for dist in sorted(provides):
@@ -376,6 +542,8 @@ def _version() -> int:
 
 
 def _dist_version(dist: str) -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -384,8 +552,10 @@ def _dist_version(dist: str) -> str:
 
 def _license(dist: str) -> str:
     """The distribution's license: its License-Expression, else License, else a classifier."""
+    import importlib.metadata
+
     try:
-        metadata = importlib.metadata.metadata(dist)
+        metadata: Any = importlib.metadata.metadata(dist)
     except importlib.metadata.PackageNotFoundError:
         return "license unknown"
     for field in ("License-Expression", "License"):

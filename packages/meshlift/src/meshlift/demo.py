@@ -5,25 +5,28 @@ with meshlift (`meshlift/data/demo_text.txt`), on 8 simulated CPU devices
 arranged as a `data` × `model` mesh. It trains once per installed backend
 (`ml.backends()`), from the same initial parameters on the same batches:
 
-- backends that partition automatically (`jit`, `pjit`: capability
-  `auto-partitioning`) run the global train step with a tensor-parallel
-  plan: attention heads, the MLP and the vocabulary split over `model`,
-  the batch over `data`;
-- backends that run per-shard code (`shard_map`: capability
-  `manual-collectives`) run the same step on one shard of the batch, with
-  the loss averaged over `data` by `jax.lax.pmean` inside the
-  differentiated function, and a plan that replicates the parameters.
+every backend with the same tensor-parallel plan: attention heads, the MLP
+and the vocabulary split over `model`, the batch over `data`. Backends that
+partition automatically (`jit`, `pjit`: capability `auto-partitioning`) run
+the global train step; backends that run per-shard code (`shard_map`:
+capability `manual-collectives`) are manual over `data` only
+(`axis_names={"data"}`), so the compiler keeps the plan's `model` split, and
+run the same step on one shard of the batch, the loss averaged over `data`
+by `jax.lax.pmean` inside the differentiated function.
 
 Then it prints, per backend, the final loss, the largest difference of any
 parameter from the `jit` backend's, the median step time and the parameter
-bytes per device, and `ml.explain`'s table of the plan. It exits with status 1
-if any backend's parameters differ from `jit`'s by more than 1e-5.
+bytes per device, and `ml.explain`'s table of the plan; last, a sample of text
+the trained model writes, decoded greedily from a prompt by the same lifted
+model (`generate`). It exits with status 1 if any backend's parameters differ
+from `jit`'s by more than 1e-5.
 
 Read it top to bottom as example code:
 
 ```sh
 meshlift demo
 meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map --json
+meshlift demo --sample 100     # a longer sample of generated text at the end
 ```
 """
 
@@ -48,7 +51,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +68,8 @@ EMBED, HEADS, MLP, LAYERS = 64, 8, 256, 2
 SEQ, BATCH = 32, 16
 LEARNING_RATE = 1e-2
 TOLERANCE = 1e-5  # max |Δparameter| allowed against the reference backend
+PROMPT = "The lighthouse stood at the end "  # the sample's prompt: SEQ characters of the text
+SAMPLE = 48  # characters generated after the prompt, by default
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -120,9 +125,9 @@ TENSOR_PARALLEL = ml.StateSharding(
         ...: P(),  # norms and positions: replicated
     }
 )
-# Per-shard code sees whole parameters; sharding them over 'model' would need psums inside
-# the model. So under shard_map the parameters are replicated and only the batch is split.
-REPLICATED = ml.StateSharding({...: P()})
+# Per-shard backends are manual over 'data' alone: 'model' stays the compiler's, so the code
+# inside sees whole parameters and the same plan holds (no psums inside the model).
+MANUAL_AXES = {"axis_names": {"data"}}
 
 
 def loss_fn(model: CharTransformer, tokens, targets):
@@ -185,10 +190,10 @@ def train(
     seed: int,
     batches: list[tuple[np.ndarray, np.ndarray]],
     progress: Any,
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Train with one backend; returns its results and its final parameters by path."""
+) -> tuple[CharTransformer, dict[str, Any], dict[str, np.ndarray]]:
+    """Train with one backend; returns the model, its results and its parameters by path."""
     manual = "manual-collectives" in backend.capabilities
-    plan = REPLICATED if manual else TENSOR_PARALLEL
+    plan = TENSOR_PARALLEL  # one plan for every backend
     model, optimizer = make_state(seed)  # the same initial parameters for every backend
     step = ml.transform(
         backend,
@@ -196,6 +201,7 @@ def train(
         mesh=mesh,
         in_specs=(plan, plan, P("data"), P("data")),  # model, optimizer, tokens, targets
         out_specs=P(),
+        **(MANUAL_AXES if manual else {}),
     )
     task = progress.add_task(backend.name, total=len(batches), loss=float("nan"))
     losses, seconds = [], []
@@ -208,10 +214,11 @@ def train(
     params = parameter_rows(model, plan, mesh)
     arrays = {_dotted(path): np.asarray(p.get_value()) for path, p in _flat_params(model)}
     return (
+        model,
         {
             "backend": backend.name,
             "capabilities": sorted(backend.capabilities),
-            "plan": "replicated" if manual else "tensor-parallel",
+            "plan": "tensor-parallel, manual over data" if manual else "tensor-parallel",
             "first_loss": losses[0],
             "final_loss": losses[-1],
             "losses": losses,
@@ -232,6 +239,33 @@ def _dotted(path: tuple) -> str:
     return ".".join(map(str, path))
 
 
+def generate(
+    backend: ml.Backend, mesh: jax.sharding.Mesh, model: CharTransformer, prompt: str, length: int
+) -> str:
+    """Greedy decoding: the `length` characters the model finds likeliest after `prompt`.
+
+    One lifted forward pass, on the same backend and plan the model trained with,
+    gives the next character; the model always sees the last SEQ characters
+    (padded on the left with spaces), one shape, so it compiles once.
+    """
+    manual = "manual-collectives" in backend.capabilities
+    next_token = ml.transform(
+        backend,
+        lambda model, window: jnp.argmax(model(window)[:, -1], axis=-1),
+        mesh=mesh,
+        in_specs=(TENSOR_PARALLEL, P()),  # the model as it trained; one window on every device
+        out_specs=P(),
+        **(MANUAL_AXES if manual else {}),
+    )
+    text = prompt
+    with ml.use_mesh(mesh):
+        for _ in range(length):
+            window = text[-SEQ:].rjust(SEQ).encode("ascii", errors="replace")
+            tokens = np.frombuffer(window, dtype=np.uint8).astype(np.int32)[None] % VOCAB
+            text += chr(int(next_token(model, tokens)[0]))
+    return text[len(prompt) :]
+
+
 def parameter_rows(
     model: nnx.Module, plan: ml.StateSharding, mesh: jax.sharding.Mesh
 ) -> list[dict[str, Any]]:
@@ -239,7 +273,8 @@ def parameter_rows(
     rows = []
     for path, param in _flat_params(model):
         array = param.get_value()
-        planned = NamedSharding(mesh, plan.spec_for(path, param))
+        spec = cast(P, plan.spec_for(path, param))  # the demo's plans give a spec for all
+        planned = NamedSharding(mesh, spec)
         rows.append(
             {
                 "path": _dotted(path),
@@ -254,9 +289,17 @@ def parameter_rows(
 
 
 def run(
-    backend_names: list[str], mesh_axes: dict[str, int], steps: int, seed: int, show: bool
+    backend_names: list[str],
+    mesh_axes: dict[str, int],
+    steps: int,
+    seed: int,
+    show: bool,
+    sample: int = SAMPLE,
 ) -> tuple[dict[str, Any], ml.Explanation]:
-    """Train with each backend in turn; the results as plain data, and the plan explained."""
+    """Train with each backend in turn; the results as plain data, and the plan explained.
+
+    Then the reference backend's model writes `sample` characters after `PROMPT`.
+    """
     mesh = ml.make_mesh(mesh_axes, devices=jax.devices()[: math.prod(mesh_axes.values())])
     batches = make_batches(seed, steps)
     with _progress(show) as progress:
@@ -264,12 +307,13 @@ def run(
             train(ml.get_backend(name), mesh, seed, batches, progress) for name in backend_names
         ]
     reference = "jit" if "jit" in backend_names else backend_names[0]
-    ref = runs[backend_names.index(reference)][1]
+    ref_model, _, ref = runs[backend_names.index(reference)]
     results = []
-    for r, arrays in runs:
+    for _, r, arrays in runs:
         r["max_abs_diff"] = max(float(np.max(np.abs(arrays[p] - ref[p]))) for p in ref)
         results.append(r)
     explanation = ml.explain(nnx.eval_shape(lambda: make_state(seed)[0]), TENSOR_PARALLEL, mesh)
+    text = generate(ml.get_backend(reference), mesh, ref_model, PROMPT, sample) if sample else None
     return {
         "mesh": dict(mesh.shape),
         "steps": steps,
@@ -279,6 +323,9 @@ def run(
         "agree": all(r["max_abs_diff"] <= TOLERANCE for r in results),
         "backends": results,
         "plan": explanation.to_dict(),
+        "sample": None
+        if text is None
+        else {"backend": reference, "prompt": PROMPT, "text": text, "decoding": "greedy"},
     }, explanation
 
 
@@ -299,9 +346,12 @@ def _progress(show: bool):
 def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    # Piped (as under nox), rich assumes 80 columns, which wraps the tables; allow 120.
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    # Piped (as under nox), rich assumes 80 columns, which wraps the tables: allow 120, unless
+    # $COLUMNS says otherwise. Narrower, the tables fold their cells, never cut them with "…".
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    console = Console(width=None if wide else 120)
     table = Table(
         title=f"{result['steps']} steps of a character-level transformer on mesh "
         f"{_mesh_str(result['mesh'])}, seed {result['seed']}"
@@ -324,6 +374,8 @@ def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
             f"{r['first_step_s']:.1f} s",
             f"{r['param_bytes_per_device']:,}",
         )
+    for column in table.columns:
+        column.overflow = "fold"
     console.print(table)
     if result["agree"]:
         console.print(
@@ -335,6 +387,17 @@ def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
         "per-shard backends replicate every parameter):"
     )
     console.print(explanation)
+    if result["sample"] is not None:
+        sample = result["sample"]
+        console.print(
+            f"\nthe {sample['backend']} backend's model writes, after the prompt "
+            f"{sample['prompt']!r} (greedy decoding, {len(sample['text'])} characters):"
+        )
+        # On one line: a newline the model wrote shows as ⏎, another control character (an
+        # undertrained model writes some) as · (the JSON has the text as it is).
+        shown = "".join("⏎" if c == "\n" else c if c.isprintable() else "·" for c in sample["text"])
+        written = Text(shown, style="bold")
+        console.print(Text(sample["prompt"], style="dim") + written)
 
 
 def _disagreement(result: dict[str, Any]) -> str:
@@ -413,7 +476,17 @@ def main(argv: list[str] | None = None) -> int:
             "devices, once with every installed backend, and check that they all end with the "
             f"same parameters (to {TOLERANCE:g}). Exits 1 if they do not."
         ),
-        epilog=("example: meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map"),
+        epilog="""examples:
+  meshlift demo
+      100 steps under every installed backend on a data=2 x model=4 mesh, then the
+      tables and a sample of generated text
+  meshlift demo --steps 60 --mesh data=4,model=2 --backends jit,shard_map
+      fewer steps, another mesh, two backends
+  meshlift demo --seed 3 --sample 100
+      other initial parameters and batches; a longer sample at the end (--sample 0: none)
+  meshlift demo --json | jq '.backends[] | {backend, final_loss}'
+      the results as JSON: losses, step times, the plan, the sample""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
     parser.add_argument(
@@ -431,10 +504,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for the parameters and batches (default: 0)"
     )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=SAMPLE,
+        metavar="N",
+        help=f"characters of text to generate after training (default: {SAMPLE}; 0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.sample < 0:
+        parser.error("--sample must be at least 0")
     backends = args.backends or _default_backends()
     if not backends:
         print(
@@ -449,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_too_few_devices(args.mesh, needed, available), file=sys.stderr)
         return 1
 
-    result, explanation = run(backends, args.mesh, args.steps, args.seed, show=not args.json)
+    result, explanation = run(
+        backends, args.mesh, args.steps, args.seed, show=not args.json, sample=args.sample
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
