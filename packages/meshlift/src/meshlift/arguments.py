@@ -57,7 +57,7 @@ class Signature:
         if not (self.static_argnums or self.static_argnames):
             return args, kwargs, ()
         nums = {i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)}
-        statics = tuple((i, args[i]) for i in sorted(nums))
+        statics: tuple[tuple[int | str, Any], ...] = tuple((i, args[i]) for i in sorted(nums))
         statics += tuple((k, kwargs[k]) for k in self.static_argnames if k in kwargs)
         for where, value in statics:
             try:
@@ -85,7 +85,7 @@ class Signature:
     ) -> list[Path]:
         """A path per leaf (graph nodes are leaves): `("model",)`, `("batch", "x")`."""
         with_paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_graph_leaf)
-        out = []
+        out: list[Path] = []
         for keypath, _ in with_paths:
             which, first, *rest = keypath
             if key_name(which) == "0":

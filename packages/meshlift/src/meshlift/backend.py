@@ -24,10 +24,14 @@ f = ml.transform(backend, lambda x: x * 2)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
+
+
+def _names(values: Iterable[str]) -> frozenset[str]:
+    return frozenset(values)
 
 
 @attrs.frozen(kw_only=True)
@@ -74,7 +78,7 @@ class Backend:
     unify: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     version: str = "0"
     distribution: str | None = None
-    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     description: str = ""
     spec_names: tuple[str, str] = ("in_specs", "out_specs")
     passes_through_none: bool = False

@@ -28,7 +28,6 @@ split.scatter(range(len(arrays)), arrays, (model,))
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,7 +37,7 @@ from flax.nnx import graphlib
 
 from meshlift import compat
 from meshlift.paths import Path, PlanError, StructureChangedError, format_path, listing
-from meshlift.structure import Watcher, fingerprint
+from meshlift.structure import Watcher, fingerprint, per_type
 
 
 def is_graph_leaf(x: Any) -> bool:
@@ -46,7 +45,7 @@ def is_graph_leaf(x: Any) -> bool:
     return is_graph_type(type(x))
 
 
-@functools.cache
+@per_type
 def is_graph_type(cls: type) -> bool:
     """`is_graph_leaf` by type."""
     # Cached per type: isinstance through flax's metaclass is slow on the per-call path.
@@ -133,9 +132,11 @@ class GraphSplit:
         }
         slots = compat.variable_slots()
         all_variables = all(isinstance(v, nnx.Variable) for v in self.leaves)
-        self._slots = slots if slots is not None and all_variables else None
-        self.fast = self._slots is not None and not any(v.hijax or v.ref for v in self.leaves)
-        self._write = self._slots.write if self.fast else _set_raw_value
+        self.fast = (
+            slots is not None and all_variables and not any(v.hijax or v.ref for v in self.leaves)
+        )
+        self._read = slots.read if slots is not None and self.fast else raw
+        self._write = slots.write if slots is not None and self.fast else _set_raw_value
 
     # -- per call ---------------------------------------------------------
     def unchanged(self) -> bool:
@@ -144,9 +145,7 @@ class GraphSplit:
 
     def gather(self) -> tuple[Any, ...]:
         """The current array of every leaf, in split order."""
-        if self.fast:
-            return tuple(map(self._slots.read, self.leaves))
-        return tuple(map(raw, self.leaves))
+        return tuple(map(self._read, self.leaves))
 
     def scatter(
         self, positions: Sequence[int], values: Sequence[Any], nodes: tuple[Any, ...]
@@ -166,7 +165,7 @@ class GraphSplit:
             if i in homes:
                 top, parent, key = homes[i]
                 parent = nodes[top] if parent is None else parent
-                graphlib.get_node_impl(parent).set_key(parent, key, value)
+                _node_impl(parent).set_key(parent, key, value)
                 moved.append((i, value))
             else:
                 self._write(self.leaves[i], value)
@@ -208,14 +207,19 @@ def _set_raw_value(variable: Any, value: Any) -> None:
     variable.set_raw_value(value)
 
 
-def _home(nodes: tuple[Any, ...], path: Path) -> tuple[int | None, Any, Any]:
+def _home(nodes: tuple[Any, ...], path: Path) -> tuple[Any, Any, Any]:
     """Where the array at `path` is stored: a top-level node's position, or its parent."""
     if len(path) == 2:
         return path[0], None, path[1]
-    parent = nodes[path[0]]
+    parent = nodes[path[0]]  # type: ignore[call-overload]  # a split path starts with a position
     for key in path[1:-1]:
-        parent = graphlib.get_node_impl(parent).node_dict(parent)[key]
+        parent = _node_impl(parent).node_dict(parent)[key]
     return None, parent, path[-1]
+
+
+def _node_impl(node: Any) -> Any:
+    """flax's implementation of a graph node type (the node is known to be one)."""
+    return graphlib.get_node_impl(node)
 
 
 # -- inside a trace ----------------------------------------------------------------------
@@ -307,7 +311,9 @@ class GraphUpdate:
         if changed:
             index_of = dict(zip(self.paths, self.indices, strict=True))
             paths = [
-                format_path((names[p[0]], *p[1:])) for p, i in index_of.items() if i in changed
+                format_path((names[p[0]], *p[1:]))  # type: ignore[call-overload]
+                for p, i in index_of.items()
+                if i in changed
             ]
             raise StructureChangedError(
                 f"the lifted function changed the metadata of {listing(paths)}; meshlift carries "

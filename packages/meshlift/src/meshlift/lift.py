@@ -36,7 +36,7 @@ import operator
 import re
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
 import numpy as np
@@ -63,6 +63,11 @@ from meshlift.plugins import get_backend
 from meshlift.sharding import StateSharding, is_spec
 from meshlift.stages import Lowered, Traced
 
+Params = ParamSpec("Params")  # the lifted function's parameters
+Result = TypeVar("Result")  # and what it returns
+# What `mesh=` takes: a mesh, a function giving one at each call, or None (the call site's).
+MeshLike: TypeAlias = Mesh | AbstractMesh | Callable[[], Mesh | AbstractMesh | None] | None
+
 _MAX_LAYOUTS = 8  # argument layouts remembered per lifted function
 # the staged function's four inputs, as JAX's messages name them
 _INPUT_GROUPS = {"kept_vars": 0, "kept_dyn": 1, "donated_vars": 2, "donated_dyn": 3}
@@ -70,7 +75,7 @@ _STAGED_INPUT = re.compile(r"\b(kept_vars|kept_dyn|donated_vars|donated_dyn)\[(\
 _STAGED_OUTPUT = re.compile(r"\b(out_specs|out_shardings)((?:\[\d+\])+)")
 
 
-class Lifted:
+class Lifted(Generic[Params, Result]):
     """A function lifted over stateful arguments, staged by one backend.
 
     Made by `ml.transform` (the front ends `ml.jit`, `ml.shard_map` and
@@ -88,12 +93,12 @@ class Lifted:
 
     def __init__(
         self,
-        fun: Callable[..., Any],
+        fun: Callable[Params, Result],
         backend: str | Backend,
         *,
         in_specs: Any = None,
         out_specs: Any = None,
-        mesh: Any = None,
+        mesh: MeshLike = None,
         static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None,
         donate_argnums: int | Iterable[int] | None = None,
@@ -129,27 +134,33 @@ class Lifted:
     def __repr__(self) -> str:
         return f"<meshlift.{self.backend.name} of {getattr(self.fun, '__qualname__', self.fun)}>"
 
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> Lifted[Params, Result]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Result]: ...
+
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         return self if obj is None else _BoundLifted(self, obj)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Params.args, **kwargs: Params.kwargs) -> Result:
         layout, call = self._layout(args, kwargs)
         return layout.run(layout.staged, call)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+    def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back."""
         layout, call = self._layout(args, kwargs)
         with layout.named_errors(call):
             return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+    def lower(self, *args: Params.args, **kwargs: Params.kwargs) -> Lowered:
         """Lower for these arguments; `.compile()` gives a `Compiled` called like this
         function, without the static arguments (they are part of the program)."""
         layout, call = self._layout(args, kwargs)
         with layout.named_errors(call):
             return Lowered(layout.staged.lower(*layout.placed_inputs(call)), layout)
 
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+    def eval_shape(self, *args: Params.args, **kwargs: Params.kwargs) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
         layout, call = self._layout(args, kwargs)
         with layout.named_errors(call):
@@ -198,7 +209,7 @@ class Lifted:
         positions = _node_positions(tuple(map(type, leaves)))
         nodes = tuple(map(leaves.__getitem__, positions))
         mesh = self._call_site_mesh() if mesh is None else mesh
-        key = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
+        key: tuple[Any, ...] = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
         if self._passed and (passed := self._passed.get(treedef)):
             key += tuple(_pass_key(leaves[i]) for i in passed)
         call = _Call(leaves, nodes)
@@ -448,7 +459,7 @@ class _Layout:
         passed = tuple((i, _pass_key(leaves[i])) for i in self.passed)
         self._check_hashable(passed)
 
-        var_donated = [donated[self.node_pos[path[0]]] for path in self.split.paths]
+        var_donated = [donated[self.node_pos[_top(path)]] for path in self.split.paths]
         self.var_groups = _partition(range(len(self.var_shardings)), var_donated)
         self.dyn_groups = _partition(self.dyn_pos, [donated[i] for i in self.dyn_pos])
         self._pick_dyn = _picker(self.dyn_pos)
@@ -741,7 +752,7 @@ class _Layout:
 
     def _caller_path(self, path: Path) -> Path:
         """A split path (top-level node position first) in the caller's argument names."""
-        return (*self.leaf_paths[self.node_pos[path[0]]], *path[1:])
+        return (*self.leaf_paths[self.node_pos[_top(path)]], *path[1:])
 
     # -- stages in the caller's terms -------------------------------------------------------
     def as_arguments(self, tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -833,12 +844,46 @@ class _Layout:
         )
 
 
+@overload
+def transform(
+    backend: str | Backend,
+    fun: Callable[Params, Result],
+    /,
+    *,
+    mesh: MeshLike = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    **options: Any,
+) -> Lifted[Params, Result]: ...
+
+
+@overload
+def transform(
+    backend: str | Backend,
+    fun: None = None,
+    /,
+    *,
+    mesh: MeshLike = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    **options: Any,
+) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
+
+
 def transform(
     backend: str | Backend,
     fun: Callable[..., Any] | None = None,
     /,
     *,
-    mesh: Any = None,
+    mesh: MeshLike = None,
     in_specs: Any = None,
     out_specs: Any = None,
     static_argnums: int | Iterable[int] | None = None,
@@ -1000,11 +1045,18 @@ def _weak(fun: Callable[..., Any]) -> Callable[[], Any]:
         return lambda: fun
 
 
+def _top(path: Path) -> int:
+    """The top-level node position a split path starts with."""
+    top = path[0]
+    assert isinstance(top, int)
+    return top
+
+
 def _as_state(flat: dict[Path, Any]) -> Any:
     """One graph node's entries by path as an `nnx.State` (a Variable passed alone: its entry)."""
     if list(flat) == [()]:
         return flat[()]
-    return nnx.State.from_flat_path(flat)
+    return nnx.State.from_flat_path(flat)  # type: ignore[arg-type]  # paths of str and int
 
 
 def _is_deleted(x: Any) -> bool:

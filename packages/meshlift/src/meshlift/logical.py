@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, overload
 
 import jax
 from flax.core import spmd as flax_spmd
@@ -58,7 +58,7 @@ def check_rules(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
             f"axis rules must be a list of (logical_name, mesh_axes) pairs, got "
             f"{type(rules).__name__}: {rules!r}; write [('batch', 'data'), ('hidden', 'model')]"
         )
-    out = []
+    out: list[tuple[str, Any]] = []
     for rule in rules:
         if not (isinstance(rule, Sequence) and not isinstance(rule, str) and len(rule) == 2):
             raise TypeError(
@@ -159,6 +159,16 @@ def _mesh_axis_names(mesh: Any) -> set[str] | None:
     if isinstance(mesh, Mapping):
         return set(mesh)
     return set(mesh.axis_names)
+
+
+@overload
+def logical_to_mesh_axes(
+    names: Sequence[str | None] | PartitionSpec, rules: Rules | None = None, *, mesh: Any = None
+) -> PartitionSpec: ...
+
+
+@overload
+def logical_to_mesh_axes(names: None, rules: Rules | None = None, *, mesh: Any = None) -> None: ...
 
 
 def logical_to_mesh_axes(
@@ -319,7 +329,11 @@ def with_logical_constraint(
             raise ValueError(
                 f"logical names {tuple(spec_names)} did not match a rule: no rule gives mesh "
                 f"axes to {', '.join(map(repr, missing))} (rules: {rules}"
-                + (f", mesh axes: {sorted(_mesh_axis_names(mesh))}" if mesh is not None else "")
+                + (
+                    f", mesh axes: {sorted(_mesh_axis_names(mesh) or ())}"
+                    if mesh is not None
+                    else ""
+                )
                 + "); add a rule such as ('name', 'model'), or pass "
                 "fallback=RulesFallback.AXIS_IS_UNSHARDED to replicate along it"
             )

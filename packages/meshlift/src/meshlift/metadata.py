@@ -42,11 +42,11 @@ from flax import nnx
 from flax.core import meta as flax_meta
 from flax.nnx import graphlib, variablelib
 from flax.nnx import spmd as nnx_spmd
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift import compat
 from meshlift.graph import variable_paths
-from meshlift.logical import check_rules, current_rules, logical_to_mesh_axes
+from meshlift.logical import Rules, check_rules, current_rules, logical_to_mesh_axes
 from meshlift.mesh import current_mesh
 from meshlift.paths import PlanError, format_path, key_name
 from meshlift.specs import spec_problems
@@ -148,7 +148,11 @@ def with_logical_partitioning(
         effective = _effective_rules(None, rules)
         if effective:
             value = _place(value, logical_to_mesh_axes(names, effective, mesh=mesh), mesh)
-        metadata = {"out_sharding": names, "sharding_rules": rules, "eager_sharding": False}
+        metadata: dict[str, Any] = {
+            "out_sharding": names,
+            "sharding_rules": rules,
+            "eager_sharding": False,
+        }
         if mesh is not None:
             metadata["mesh"] = mesh
         return variablelib.VariableMetadata(value, metadata=metadata)
@@ -167,7 +171,7 @@ def _for_flax_scope() -> bool:
     a linen module, else NNX metadata.
     """
     scope_module = sys.modules.get("flax.core.scope")  # not imported: no Scope can be running
-    scope_codes = ()
+    scope_codes: tuple[Any, ...] = ()
     if scope_module is not None:
         scope_codes = (scope_module.Scope.param.__code__, scope_module.Scope.variable.__code__)
     here = inspect.currentframe()
@@ -271,8 +275,9 @@ def _box_annotation(x: Any) -> dict[str, Any]:
             "rules": getattr(x, "rules", None),
             "mesh": x.mesh,
         }
-    if isinstance(x, flax_meta.AxisMetadata) and isinstance(getattr(x, "metadata", None), dict):
-        return _nnx_annotation(x.metadata)  # bridge.NNXMeta: an NNX Variable's metadata in linen
+    metadata = getattr(x, "metadata", None)
+    if isinstance(x, flax_meta.AxisMetadata) and isinstance(metadata, dict):
+        return _nnx_annotation(metadata)  # bridge.NNXMeta: an NNX Variable's metadata in linen
     return {}
 
 
@@ -295,7 +300,8 @@ def _box_value(x: Any) -> Any:
     if isinstance(x, nnx.Variable):
         return x.get_raw_value()
     if isinstance(x, flax_meta.AxisMetadata):
-        return x.unbox(apply_constraint=False) if _takes_constraint(x) else x.unbox()
+        unbox: Callable[..., Any] = x.unbox
+        return unbox(apply_constraint=False) if _takes_constraint(x) else unbox()
     return x
 
 
@@ -381,16 +387,17 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
     """
 
     def spec(x: Any) -> PartitionSpec:
-        ann = _box_annotation(x)
-        item = Annotated((), _box_value(x), x, **ann)
-        if rules is None and item.logical and hasattr(x, "names"):
+        item = Annotated((), _box_value(x), x, **_box_annotation(x))
+        if rules is None and item.logical and item.names is not None and hasattr(x, "names"):
             return PartitionSpec(*item.names)  # a linen box: logical, as nn.get_partition_spec
         return item.spec(rules, strict=False)
 
     return _map_boxes(spec, tree)
 
 
-def get_sharding(tree: Any, mesh: Any = None, rules: Any = None) -> Any:
+def get_sharding(
+    tree: Any, mesh: Mesh | AbstractMesh | None = None, rules: Rules | None = None
+) -> Any:
     """A `NamedSharding` on `mesh` for every array in `tree`, checked against the mesh.
 
     Same structure as `get_partition_spec`, and usable as `out_shardings`

@@ -192,7 +192,7 @@ def output_shardings(out_specs: Any, abstract_out: Any, nodes: Any, mesh: Any, w
     keypaths = [
         k for k, _ in jax.tree_util.tree_flatten_with_path(abstract_out, is_leaf=is_graph_leaf)[0]
     ]
-    result = []
+    result: list[Any] = []  # a sharding per leaf, a tuple of them per output graph node
     for i, (spec, leaf) in enumerate(zip(prefix, leaves, strict=True)):
         if i not in nodes.graphdefs:
             path = ("output", *map(key_name, keypaths[i]))

@@ -20,12 +20,15 @@ the module it describes (`in_shardings=(plan, P("data"))`).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from flax import nnx
-from jax.sharding import PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 from meshlift.paths import Path, PlanError, format_path
+
+if TYPE_CHECKING:
+    from meshlift.logical import Rules
 
 Spec: TypeAlias = PartitionSpec | Sharding | None
 
@@ -176,7 +179,11 @@ class StateSharding:
 
     @classmethod
     def from_metadata(
-        cls, model_or_tree: Any, rules: Any = None, *, mesh: Any = None
+        cls,
+        model_or_tree: Any,
+        rules: Rules | None = None,
+        *,
+        mesh: Mesh | AbstractMesh | None = None,
     ) -> StateSharding:
         """The plan written in the model's own annotations, usable by every backend.
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
     """`P(None, ("data", "model"))` -> `[(0, ()), (1, ("data", "model"))]`."""
-    out = []
+    out: list[tuple[int, tuple[str, ...]]] = []
     for dim, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             out.append((dim, ()))

@@ -25,15 +25,17 @@ import enum
 import functools
 import operator
 import types
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
 from meshlift import compat
+
+_T = TypeVar("_T")
 
 # Immutable values compared by value.
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type, enum.Enum)
@@ -46,6 +48,11 @@ _OPAQUE = (
     types.CodeType,
     graphlib.HashableMapping,
 )
+
+
+def per_type(fun: Callable[[type], _T]) -> Callable[[type], _T]:
+    """`functools.cache` for a function of a class (typed so: checkers count no class Hashable)."""
+    return functools.cache(fun)
 
 
 def fingerprint(x: Any) -> Hashable:
@@ -124,12 +131,12 @@ def _fields(x: Any, fp: Any) -> Hashable | None:
     return items + tuple((name, fp(getattr(x, name, _MISSING))) for name in names)
 
 
-@functools.cache
+@per_type
 def _has_value_equality(cls: type) -> bool:
     return cls.__eq__ is not object.__eq__ and cls.__hash__ is not None
 
 
-@functools.cache
+@per_type
 def _slot_names(cls: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in cls.__mro__:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 
@@ -29,6 +29,9 @@ try:
     __version__ = version("meshlift-jit")
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
@@ -42,6 +45,46 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
             )
         shardings = {}  # jax.jit refuses shardings next to device/backend
     return jax.jit(fn, donate_argnums=spec.donate_argnums, **shardings, **spec.options)
+
+
+@overload
+def jit(
+    fun: Callable[Params, Result],
+    /,
+    *,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: jax.Device | None = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> ml.Lifted[Params, Result]: ...
+
+
+@overload
+def jit(
+    fun: None = None,
+    /,
+    *,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: jax.Device | None = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Callable[[Callable[Params, Result]], ml.Lifted[Params, Result]]: ...
 
 
 def jit(

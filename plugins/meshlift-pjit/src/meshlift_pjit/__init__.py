@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 from jax.sharding import Mesh
@@ -40,6 +40,9 @@ except PackageNotFoundError:  # running from a source tree without an install
 __all__ = ["BACKEND", "UNSPECIFIED", "call_site_mesh", "pjit", "stage", "unify"]
 
 _OLD_NAMES = (("in_axis_resources", "in_specs"), ("out_axis_resources", "out_specs"))
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
@@ -114,7 +117,7 @@ def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def pjit(
-    fun: Callable[..., Any],
+    fun: Callable[Params, Result],
     in_axis_resources: Any = UNSPECIFIED,
     out_axis_resources: Any = UNSPECIFIED,
     static_argnums: int | Iterable[int] | None = None,
@@ -125,7 +128,7 @@ def pjit(
     static_argnames: str | Iterable[str] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
-) -> ml.Lifted:
+) -> ml.Lifted[Params, Result]:
     """Old `pjit` over modules, plans and pytrees, with the mesh taken at each call.
 
     Spec trees are pytree prefixes of the positional arguments and the output,

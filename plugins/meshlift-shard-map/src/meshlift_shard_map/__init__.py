@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 from jax.sharding import AbstractMesh, Mesh
 
@@ -43,6 +43,49 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
 
 __all__ = ["BACKEND", "AxisNameError", "shard_map", "stage"]
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
+
+
+@overload
+def shard_map(
+    f: Callable[Params, Result],
+    /,
+    *,
+    in_specs: Any,
+    out_specs: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    axis_names: Iterable[str] = frozenset(),
+    check_vma: bool = True,
+    jit: bool = True,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    check_rep: bool | None = None,
+    auto: Iterable[str] | None = None,
+) -> ml.Lifted[Params, Result]: ...
+
+
+@overload
+def shard_map(
+    f: None = None,
+    /,
+    *,
+    in_specs: Any,
+    out_specs: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    axis_names: Iterable[str] = frozenset(),
+    check_vma: bool = True,
+    jit: bool = True,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    check_rep: bool | None = None,
+    auto: Iterable[str] | None = None,
+) -> Callable[[Callable[Params, Result]], ml.Lifted[Params, Result]]: ...
 
 
 def shard_map(

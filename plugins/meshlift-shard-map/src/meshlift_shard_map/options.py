@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
+from types import FrameType
 from typing import Any
 
 DEFAULTS: Mapping[str, Any] = {
@@ -96,7 +97,8 @@ _OWN_PACKAGES = ("meshlift", "meshlift_shard_map")
 
 def _caller_stacklevel() -> int:
     """The `warnings.warn` stacklevel of the first frame outside meshlift's packages."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_PACKAGES:
         frame, level = frame.f_back, level + 1
     return level

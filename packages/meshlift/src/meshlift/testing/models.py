@@ -54,7 +54,8 @@ def graph_mode_jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any
     graph mode.
     """
     switches = inspect.signature(nnx.jit).parameters.keys() & {"graph", "graph_updates"}
-    return nnx.jit(fun, **dict.fromkeys(switches, True), **options)
+    jit: Callable[..., Any] = nnx.jit
+    return jit(fun, **dict.fromkeys(switches, True), **options)
 
 
 class MLP(nnx.Module):
@@ -161,12 +162,14 @@ def flat_arrays(node: Any, prefix: str | None = None) -> dict[tuple[str, ...], n
 
 def misplaced(
     node: Any, plan: ml.StateSharding, mesh: jax.sharding.Mesh
-) -> list[tuple[str, Any, P]]:
+) -> list[tuple[str, Any, Any]]:
     """(path, actual sharding, planned spec) of each Variable not placed as the plan says."""
     wrong = []
     for path, value in flat_variables(node):
         array = array_of(value)
         spec = plan.spec_for(path, value)
-        if not array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim):
+        spec = P() if spec is None else spec
+        planned = NamedSharding(mesh, spec) if isinstance(spec, P) else spec
+        if not array.sharding.is_equivalent_to(planned, array.ndim):
             wrong.append((".".join(path), getattr(array.sharding, "spec", array.sharding), spec))
     return wrong
