@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,7 +296,7 @@ class Run:
     call: Call | None = None
     state: State = None
     k: int = 1
-    losses: list[float] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)  # floats (losses) or arrays (logits)
     params: list[np.ndarray] = field(default_factory=list)  # after warm-up
     samples_us: list[float] = field(default_factory=list)
     compile_s: float = 0.0
@@ -330,15 +330,32 @@ def time_batch(call: Call, state: State, k: int, keep_gc: bool = False) -> tuple
     return state, elapsed / k
 
 
-def warm_up(run: Run, layers: int, target_s: float, max_k: int) -> None:
-    """Set up, compile, record the first losses and choose ``k``."""
+Variants = Mapping[str, Callable[[int], tuple[Call, State]]]
+
+
+def warm_up(
+    run: Run,
+    layers: int,
+    target_s: float,
+    max_k: int,
+    variants: Variants = VARIANTS,
+    params: Callable[[State], Any] = params_of,
+) -> None:
+    """Set up, compile, record the first results and choose ``k``.
+
+    ``variants`` and ``params`` (a variant's state -> its parameters, as the
+    floor's pytree) default to this script's; ``benchmarks/transformer.py``
+    passes its own. A result is kept as a float if it is a scalar (a loss),
+    else as an array (logits).
+    """
     try:
         start = time.perf_counter()
-        run.call, run.state = VARIANTS[run.name](layers)
+        run.call, run.state = variants[run.name](layers)
         for _ in range(WARMUP_CALLS):
             run.state, loss = run.call(run.state)
-            run.losses.append(float(loss))
-        run.params = [np.asarray(a) for a in jax.tree.leaves(params_of(run.state))]
+            loss = np.asarray(loss)
+            run.losses.append(float(loss) if loss.ndim == 0 else loss)
+        run.params = [np.asarray(a) for a in jax.tree.leaves(params(run.state))]
         run.compile_s = time.perf_counter() - start
         # calibrate: size a batch to take about target_s
         single = min(time_batch(run.call, run.state, 1)[1] for _ in range(3))
@@ -357,13 +374,15 @@ def measure_depth(
     max_k: int,
     log: Console,
     keep_gc: bool = False,
+    variants: Variants = VARIANTS,
+    params: Callable[[State], Any] = params_of,
 ) -> dict[str, Run]:
     runs = {name: Run(name) for name in names}
     for name in names:
         TRACES[name] = 0
     for run in runs.values():
         log.print(f"  L={layers:<4} compiling {run.name} ...", end="")
-        warm_up(run, layers, target_s, max_k)
+        warm_up(run, layers, target_s, max_k, variants, params)
         if run.ok:
             log.print(f" {run.compile_s:.1f}s, k={run.k}")
         else:
@@ -434,15 +453,20 @@ def check_fresh_optimizer(name: str, layers: int = 4) -> dict[str, Any]:
 
 def compare_to_floor(runs: dict[str, Run]) -> dict[str, str | None]:
     """Each variant's first losses, and its parameters after them, must match
-    the floor's (same init, same data): this catches a step that does not
-    write its updates back, or trains the wrong arrays."""
-    floor = runs.get(FLOOR)
+    its floor's (same init, same data): this catches a step that does not
+    write its updates back, or trains the wrong arrays. The floor is the one
+    its time is divided by (``BASELINE``), the ``jax.jit floor`` unless named."""
     problems: dict[str, str | None] = {}
     for name, run in runs.items():
+        floor = runs.get(BASELINE.get(name, FLOOR))
         if name == FLOOR or not run.ok or floor is None or not floor.ok:
             continue
         if not np.allclose(run.losses, floor.losses, rtol=1e-5, atol=1e-7):
-            problems[name] = f"losses {run.losses} != floor {floor.losses}"
+            if np.ndim(floor.losses[0]) == 0:
+                problems[name] = f"losses {run.losses} != floor {floor.losses}"
+            else:  # arrays (logits; a shard_map variant's have a row per device)
+                diff = np.max(np.abs(np.subtract(run.losses, floor.losses)))
+                problems[name] = f"outputs differ from the floor's (max abs diff {diff:.3g})"
         elif len(run.params) != len(floor.params) or not all(
             np.allclose(a, b, rtol=1e-5, atol=1e-6)
             for a, b in zip(run.params, floor.params, strict=True)
