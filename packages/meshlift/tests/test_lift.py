@@ -160,3 +160,22 @@ def test_two_variables_holding_one_donated_array_are_named_and_left_alone():
     with pytest.raises(ValueError, match=r"`x` and `m.p` hold the same array"):
         ml.jit(lambda m, x: m.p[...] + x, donate_argnums=0)(single, shared)
     assert not shared.is_deleted()
+
+
+def test_named_sharding_on_a_mesh_with_other_axes_is_checked_against_its_own_mesh():
+    other = ml.make_mesh({"x": 8})
+    layer = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
+    forward = ml.jit(
+        lambda m, x: m(x),
+        in_shardings=({"kernel": NamedSharding(other, P(None, "x")), "bias": None}, P()),
+        mesh=ml.make_mesh({"data": 2, "model": 4}),
+    )
+    with pytest.raises(
+        ml.PlanError,
+        match=r"`m.kernel` \(shape \(4, 6\)\) with in_shardings P\(None, 'x'\) on mesh "
+        r"\{'x': 8\}: dimension 1 \(size 6\) is not divisible by 8",
+    ):
+        forward(layer, jnp.ones((2, 4)))
+    # the reference: jax.jit refuses the same sharding for that shape, naming no argument
+    with pytest.raises(ValueError, match="evenly divide"):
+        jax.jit(lambda k: k, in_shardings=NamedSharding(other, P(None, "x")))(layer.kernel[...])
