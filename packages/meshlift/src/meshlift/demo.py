@@ -127,7 +127,7 @@ TENSOR_PARALLEL = ml.StateSharding(
 )
 # Per-shard backends are manual over 'data' alone: 'model' stays the compiler's, so the code
 # inside sees whole parameters and the same plan holds (no psums inside the model).
-MANUAL_AXES = {"axis_names": {"data"}}
+MANUAL_AXES: dict[str, Any] = {"axis_names": {"data"}}
 
 
 def loss_fn(model: CharTransformer, tokens, targets):

@@ -31,7 +31,7 @@ import difflib
 import io
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -47,6 +47,9 @@ from meshlift.metadata import annotated_leaves
 from meshlift.paths import PlanError, format_path
 from meshlift.sharding import StateSharding
 from meshlift.specs import spec_axes, spec_problems
+
+if TYPE_CHECKING:
+    from meshlift.logical import Rules
 
 LARGE_REPLICATED_BYTES = 1 << 20  # warn about replicated parameters from 1 MiB
 
@@ -234,8 +237,8 @@ class Explanation:
 
 def explain(
     model_or_tree: Any,
-    plan_or_rules: Any = None,
-    mesh: Any = None,
+    plan_or_rules: StateSharding | Mapping[Any, Any] | PartitionSpec | Rules | None = None,
+    mesh: Mesh | Mapping[str, int] | None = None,
     *,
     large_replicated_bytes: int = LARGE_REPLICATED_BYTES,
 ) -> Explanation:
