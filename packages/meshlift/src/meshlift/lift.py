@@ -556,8 +556,8 @@ class _Layout:
         of one array, say): JAX cannot donate a buffer twice, nor read one it donated."""
         kept_vars, kept_dyn, donated_vars, donated_dyn = self.inputs(values, call)
         donated = [*donated_vars, *donated_dyn]
-        ids = list(map(id, donated))
-        if len(set(ids)) == len(ids) and set(ids).isdisjoint(map(id, (*kept_vars, *kept_dyn))):
+        ids = set(map(id, donated))
+        if len(ids) == len(donated) and ids.isdisjoint(map(id, (*kept_vars, *kept_dyn))):
             return
         var_name = [format_path(self._variable_path(i)) for i in range(len(values))]
         dyn_name = {i: format_path(self.leaf_paths[i]) for i in self.dyn_pos}
@@ -576,7 +576,7 @@ class _Layout:
         for name, value in zip(names, inputs, strict=True):
             if not isinstance(value, jax.Array):
                 continue
-            if id(value) in first and (id(value) in ids):
+            if id(value) in first and id(value) in ids:
                 raise ValueError(
                     f"`{first[id(value)]}` and `{name}` hold the same array, and it is donated "
                     f"to {self.lifted.fun_name}: JAX cannot donate one buffer twice or read a "
