@@ -4,6 +4,7 @@
     python -m nox -s tests-core   # one package's unit tests; also: nox -t core
     python -m nox -s tests-tree-mode   # core and jit suites under flax's tree mode
     python -m nox -s "compat(jax='0.12')"   # the whole suite on Python 3.12, jax 0.12
+    python -m nox -t compat                 # ... on every supported (python, jax, flax) set
     python -m nox -s tests-jit -- -k donate -x   # arguments after -- go to pytest
     python -m nox -s lint bench demo
 
@@ -70,17 +71,24 @@ def run_tree_mode(session: nox.Session) -> None:
 
 
 # (python, jax) pairs, each with its exact pins; the default pair is what `tests` runs.
-# Each Python is found on PATH (with pyenv: `pyenv global 3.11.7 3.12.1`).
+# Each jax gets the newest flax that supports it. Each Python is found on PATH (with
+# pyenv: `pyenv global 3.11.7 3.12.1 3.13.0`). `nox -t compat` runs them all, one by one;
+# `nox -t jax0.12` runs jax 0.12 on each of its Pythons.
 COMPAT = {
+    "0.9": ("3.11", "constraints-jax0.9.txt"),  # jax 0.9.2, flax 0.12.6 (0.12.7 needs jax 0.10)
     "0.10": ("3.11", "constraints.txt"),  # jax 0.10.2, flax 0.12.8
     "0.12": ("3.12", "constraints-jax0.12.txt"),  # jax 0.12.0.1, flax 0.12.12
+    "0.12-py3.13": ("3.13", "constraints-jax0.12.txt"),  # the same pins resolve on 3.13
 }
 
 
 @nox.session
 @nox.parametrize(
     ("python", "jax"),
-    [nox.param(py, jax, id=f"jax='{jax}'", tags=[f"jax{jax}"]) for jax, (py, _) in COMPAT.items()],
+    [
+        nox.param(py, jax, id=f"jax='{jax}'", tags=["compat", f"jax{jax.split('-')[0]}"])
+        for jax, (py, _) in COMPAT.items()
+    ],
 )
 def compat(session: nox.Session, jax: str) -> None:
     """The whole suite on one (python, jax, flax) set: nox -s "compat(jax='0.12')"."""
@@ -88,7 +96,10 @@ def compat(session: nox.Session, jax: str) -> None:
     editables = [arg for path in PACKAGES.values() for arg in ("-e", path)]
     session.install("-c", constraints, *editables, *TEST_TOOLS)
     session.run(
-        "python", "-c", "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
+        "python",
+        "-c",
+        "import sys, jax, flax; print('python', sys.version.split()[0], "
+        "'jax', jax.__version__, 'flax', flax.__version__)",
     )
     paths = [f"{path}/tests" for path in PACKAGES.values()]
     session.run("pytest", *paths, "integration_tests", *session.posargs, env=XLA_ENV)
@@ -234,9 +245,14 @@ def wheels(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Dispatch-overhead benchmark: python benchmarks/dispatch.py [posargs]."""
+    """The benchmarks: benchmarks/dispatch.py [posargs], then benchmarks/transformer.py.
+
+    Arguments after -- go to dispatch.py only; transformer.py runs its default
+    (run it by hand for its options: python benchmarks/transformer.py --help).
+    """
     install(session)
     session.run("python", "benchmarks/dispatch.py", *session.posargs, env=XLA_ENV)
+    session.run("python", "benchmarks/transformer.py", env=XLA_ENV)
 
 
 @nox.session
@@ -284,7 +300,34 @@ def built_site_dir(mkdocs_args: list[str]) -> Path:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository."""
-    session.install("-c", "constraints.txt", "ruff")
+    """ruff over the repository; mypy over the packages and a user's program (typecheck/).
+
+    typecheck/mistakes.py marks the lines mypy must flag (`# expect: CODE`);
+    the session fails if one is not flagged with that code, or another line is.
+    """
+    install(session, "ruff", "mypy", "pytest")  # pytest: meshlift.testing imports it
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    sources = [f"{path}/src" for path in PACKAGES.values()]
+    session.run("mypy", *sources, "typecheck/user_program.py")
+    report = session.run("mypy", "typecheck/mistakes.py", silent=True, success_codes=[0, 1])
+    check_expected_errors(session, Path("typecheck/mistakes.py"), report or "")
+
+
+def check_expected_errors(session: nox.Session, path: Path, report: str) -> None:
+    """Fail unless mypy's `report` flags exactly the lines of `path` marked `# expect: CODE`."""
+    expected = {
+        number: line.split("# expect:")[1].strip()
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if "# expect:" in line
+    }
+    found: dict[int, set[str]] = {}
+    for match in re.finditer(rf"{re.escape(str(path))}:(\d+): error: .*\[([a-z-]+)\]", report):
+        found.setdefault(int(match.group(1)), set()).add(match.group(2))
+    missed = {n: code for n, code in expected.items() if code not in found.get(n, set())}
+    extra = sorted(set(found) - set(expected))
+    if missed or extra:
+        session.error(
+            f"mypy on {path}: not reported {missed}, unexpected on lines {extra}\n{report}"
+        )
+    print(f"mypy reports all {len(expected)} mistakes in {path}")

@@ -10,6 +10,7 @@ under `nnx.bridge.to_linen`.
 
 import re
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,12 @@ from meshlift.logical import get_axis_rules, set_axis_rules
 
 U = P.UNCONSTRAINED
 Fallback = flax_spmd.RulesFallback
+
+# From flax 0.12.11 on, `bridge.to_linen` keeps only the required metadata on its `NNXMeta`
+# boxes (no `eager_sharding=False`), so linen's `nn.get_partition_spec` re-creates each
+# Variable eagerly sharded and raises (outside a mesh and under one), for flax's own
+# `nnx.with_partitioning` as for meshlift's; `ml.get_partition_spec` still reads them.
+LINEN_READS_BRIDGED_SPECS = tuple(map(int, flax.__version__.split(".")[:3])) < (0, 12, 11)
 
 
 @pytest.fixture(autouse=True)
@@ -364,8 +371,9 @@ def test_with_partitioning_inside_bridge_to_linen_gives_nnx_metadata_as_nnx():
     is_meta = lambda v: isinstance(v, nn.meta.AxisMetadata)  # noqa: E731
     kinds = jax.tree.map(lambda b: type(b).__name__, ours_vars, is_leaf=is_meta)
     assert kinds == jax.tree.map(lambda b: type(b).__name__, theirs_vars, is_leaf=is_meta)
-    assert nn.get_partition_spec(ours_vars) == nn.get_partition_spec(theirs_vars)
-    assert nn.get_partition_spec(ours_vars)["params"]["linear"]["kernel"] == P(None, "model")
+    if LINEN_READS_BRIDGED_SPECS:  # see above: flax >= 0.12.11 raises here for both
+        assert nn.get_partition_spec(ours_vars) == nn.get_partition_spec(theirs_vars)
+        assert nn.get_partition_spec(ours_vars)["params"]["linear"]["kernel"] == P(None, "model")
     assert ml.get_partition_spec(ours_vars)["params"]["scale"] == P("model")
     np.testing.assert_array_equal(ours.apply(ours_vars, x), theirs.apply(theirs_vars, x))
 
