@@ -125,15 +125,16 @@ def make_batch():
     return x, y
 
 
-def data_mesh() -> jax.sharding.Mesh:
-    return ml.make_mesh({"data": DATA_DEVICES}, devices=jax.devices()[:DATA_DEVICES])
+def data_mesh(devices: int) -> jax.sharding.Mesh:
+    """The shard_map variants' 1-D "data" mesh of the first `devices` devices."""
+    return ml.make_mesh({"data": devices}, devices=jax.devices()[:devices])
 
 
-def make_sharded_batch(mesh: jax.sharding.Mesh):
-    """The batch repeated once per device, split over "data": each shard sees the
-    original row, so the data-parallel step computes the floor's numbers."""
-    sharding = NamedSharding(mesh, P("data"))
-    return tuple(jax.device_put(jnp.tile(a, (DATA_DEVICES, 1)), sharding) for a in make_batch())
+def shard_over_data(mesh: jax.sharding.Mesh, batch: tuple[jax.Array, ...]):
+    """`batch` repeated once per device, split over "data": each shard sees the
+    original rows, so the data-parallel step computes the floor's numbers."""
+    sharding, copies = NamedSharding(mesh, P("data")), mesh.shape["data"]
+    return tuple(jax.device_put(jnp.tile(a, (copies, 1)), sharding) for a in batch)
 
 
 def make_model(layers: int) -> MLP:
@@ -226,7 +227,7 @@ def variant_floor(layers: int) -> tuple[Call, State]:
 
 def variant_meshlift_shard_map(layers: int) -> tuple[Call, State]:
     """``ml.shard_map``, data parallel on 8 devices, updates written back."""
-    mesh = data_mesh()
+    mesh = data_mesh(DATA_DEVICES)
     step = ml.shard_map(
         make_train_step("meshlift.shard_map", data_axis="data"),
         mesh=mesh,
@@ -234,12 +235,12 @@ def variant_meshlift_shard_map(layers: int) -> tuple[Call, State]:
         out_specs=P(),
     )
     model, optimizer, _, _ = make_nnx_state(layers)
-    return _stateful(step), (model, optimizer, *make_sharded_batch(mesh))
+    return _stateful(step), (model, optimizer, *shard_over_data(mesh, make_batch()))
 
 
 def variant_shard_map_floor(layers: int) -> tuple[Call, State]:
     """Raw ``jax.shard_map`` under ``jax.jit``, the same data-parallel step over arrays."""
-    mesh = data_mesh()
+    mesh = data_mesh(DATA_DEVICES)
     tx = optax.adam(LEARNING_RATE)
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(model_params(make_model(layers)), replicated)
@@ -270,7 +271,7 @@ def variant_shard_map_floor(layers: int) -> tuple[Call, State]:
         params, opt_state, loss = step(params, opt_state, x, y)
         return (params, opt_state, x, y), loss
 
-    return call, (params, opt_state, *make_sharded_batch(mesh))
+    return call, (params, opt_state, *shard_over_data(mesh, make_batch()))
 
 
 VARIANTS: dict[str, Callable[[int], tuple[Call, State]]] = {

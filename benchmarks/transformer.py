@@ -217,17 +217,6 @@ def make_batch(batch: int = 1, seq: int = SEQ, vocab: int = VOCAB):
     return tokens, targets
 
 
-def data_mesh() -> jax.sharding.Mesh:
-    return ml.make_mesh({"data": DATA_DEVICES}, devices=jax.devices()[:DATA_DEVICES])
-
-
-def make_sharded_batch(mesh: jax.sharding.Mesh):
-    """The batch repeated once per device, split over "data": each shard sees the
-    original row, so the data-parallel step computes the floor's numbers."""
-    sharding = NamedSharding(mesh, P("data"))
-    return tuple(jax.device_put(jnp.tile(a, (DATA_DEVICES, 1)), sharding) for a in make_batch())
-
-
 def floor_arrays(depth: int, **sizes: int):
     """The floor's graphdef and plain dict of parameter arrays (``nnx.split``)."""
     graphdef, state = nnx.split(make_model(depth, **sizes))
@@ -290,18 +279,18 @@ def infer_floor(depth: int) -> tuple[Call, State]:
 
 
 def infer_meshlift_shard_map(depth: int) -> tuple[Call, State]:
-    mesh = data_mesh()
+    mesh = dispatch.data_mesh(DATA_DEVICES)
     step = ml.shard_map(
         make_infer_step("meshlift.shard_map"),
         mesh=mesh,
         in_specs=(P(), P("data")),
         out_specs=P("data"),
     )
-    return _stateful(step), (make_model(depth), make_sharded_batch(mesh)[0])
+    return _stateful(step), (make_model(depth), dispatch.shard_over_data(mesh, make_batch())[0])
 
 
 def infer_shard_map_floor(depth: int) -> tuple[Call, State]:
-    mesh = data_mesh()
+    mesh = dispatch.data_mesh(DATA_DEVICES)
     graphdef, params = floor_arrays(depth)
     params = jax.device_put(params, NamedSharding(mesh, P()))
     step = jax.jit(
@@ -312,7 +301,7 @@ def infer_shard_map_floor(depth: int) -> tuple[Call, State]:
             out_specs=P("data"),
         )
     )
-    return _stateful(step), (params, make_sharded_batch(mesh)[0])
+    return _stateful(step), (params, dispatch.shard_over_data(mesh, make_batch())[0])
 
 
 def train_meshlift_jit(depth: int) -> tuple[Call, State]:
@@ -333,18 +322,18 @@ def train_floor(depth: int) -> tuple[Call, State]:
 
 
 def train_meshlift_shard_map(depth: int) -> tuple[Call, State]:
-    mesh = data_mesh()
+    mesh = dispatch.data_mesh(DATA_DEVICES)
     step = ml.shard_map(
         make_train_step("meshlift.shard_map", data_axis="data"),
         mesh=mesh,
         in_specs=(P(), P(), P("data"), P("data")),
         out_specs=P(),
     )
-    return _stateful(step), _nnx_train_state(depth, make_sharded_batch(mesh))
+    return _stateful(step), _nnx_train_state(depth, dispatch.shard_over_data(mesh, make_batch()))
 
 
 def train_shard_map_floor(depth: int) -> tuple[Call, State]:
-    mesh = data_mesh()
+    mesh = dispatch.data_mesh(DATA_DEVICES)
     tx = optax.adam(LEARNING_RATE)
     graphdef, params = floor_arrays(depth)
     replicated = NamedSharding(mesh, P())
@@ -358,7 +347,7 @@ def train_shard_map_floor(depth: int) -> tuple[Call, State]:
             out_specs=(P(), P(), P()),
         )
     )
-    return _floor_call(step), (params, opt_state, *make_sharded_batch(mesh))
+    return _floor_call(step), (params, opt_state, *dispatch.shard_over_data(mesh, make_batch()))
 
 
 VARIANTS: dict[str, dict[str, Callable[[int], tuple[Call, State]]]] = {
