@@ -526,12 +526,13 @@ class _Layout:
         any other argument JAX refuses is named in the error, never moved.
         """
         values = self.split.gather()
-        if self.donated:
-            self._refuse_shared_donation(values, call)
         placed = None if self.placed else _onto(values, self.var_shardings)
+        inputs = self.inputs(placed or values, call)
+        if self.donated:
+            self._refuse_shared_donation(inputs)
         try:
             try:
-                outputs = staged(*self.inputs(placed or values, call))
+                outputs = staged(*inputs)
             except ValueError:
                 self._refuse_misplaced_leaves(call)
                 moved = _onto(placed or values, self.var_shardings)
@@ -551,15 +552,15 @@ class _Layout:
         self.placed = True
         return info.decode(user_out, index_map)
 
-    def _refuse_shared_donation(self, values: Sequence[Any], call: _Call) -> None:
+    def _refuse_shared_donation(self, inputs: tuple[tuple[Any, ...], ...]) -> None:
         """Refuse, naming both, a donated array that another input holds too (two Params
         of one array, say): JAX cannot donate a buffer twice, nor read one it donated."""
-        kept_vars, kept_dyn, donated_vars, donated_dyn = self.inputs(values, call)
+        kept_vars, kept_dyn, donated_vars, donated_dyn = inputs
         donated = [*donated_vars, *donated_dyn]
         ids = set(map(id, donated))
         if len(ids) == len(donated) and ids.isdisjoint(map(id, (*kept_vars, *kept_dyn))):
             return
-        var_name = [format_path(self._variable_path(i)) for i in range(len(values))]
+        var_name = [format_path(self._variable_path(i)) for i in range(len(self.split.paths))]
         dyn_name = {i: format_path(self.leaf_paths[i]) for i in self.dyn_pos}
         (kept_var_pos, donated_var_pos), (kept_dyn_pos, donated_dyn_pos) = (
             self.var_groups,
@@ -571,17 +572,14 @@ class _Layout:
             *map(var_name.__getitem__, donated_var_pos),
             *map(dyn_name.__getitem__, donated_dyn_pos),
         ]
-        inputs = [*kept_vars, *kept_dyn, *donated]
         first: dict[int, str] = {}
-        for name, value in zip(names, inputs, strict=True):
-            if not isinstance(value, jax.Array):
-                continue
-            if id(value) in first and id(value) in ids:
+        for name, value in zip(names, (*kept_vars, *kept_dyn, *donated), strict=True):
+            if isinstance(value, jax.Array) and id(value) in first and id(value) in ids:
                 raise ValueError(
                     f"`{first[id(value)]}` and `{name}` hold the same array, and it is donated "
-                    f"to {self.lifted.fun_name}: JAX cannot donate one buffer twice or read a "
-                    f"buffer it donated. Give one of them its own copy (`jnp.copy`), or do not "
-                    f"donate it. Nothing was changed."
+                    f"to {self.lifted.fun_name} (shape {value.shape}): JAX cannot donate one "
+                    f"buffer twice or read a buffer it donated. Give one of them its own copy "
+                    f"(`jnp.copy`), or do not donate it. Nothing was changed."
                 )
             first.setdefault(id(value), name)
 
