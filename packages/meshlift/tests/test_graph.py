@@ -5,6 +5,7 @@ slot, pinned to tested flax versions) and once on the public-API fallback,
 selected by a flax without the private slots (``compat.variable_slots`` gives None).
 """
 
+import collections
 import dataclasses
 import functools
 import subprocess
@@ -340,6 +341,44 @@ def test_mutable_metadata_value_changed_in_place_is_detected():
     model.kernel.set_metadata(tags=["encoder"])
     split = GraphSplit((model,))
     model.kernel.tags.append("frozen")
+    assert not split.unchanged()
+
+
+def test_variable_metadata_replaced_by_a_new_dict_is_detected():
+    # set_metadata(mapping) swaps the Variable's metadata dict instead of changing it
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    split = GraphSplit((model,))
+    model.kernel.set_metadata(model.kernel.get_metadata() | {"out_sharding": (None, "model")})
+    assert not split.unchanged()
+
+
+def test_an_equal_metadata_dict_is_followed_for_later_changes():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    split = GraphSplit((model,))
+    model.kernel.set_metadata(model.kernel.get_metadata())  # a new dict, equal: no change
+    assert split.unchanged()
+    model.kernel.set_metadata(out_sharding=(None, "model"))  # changes that new dict in place
+    assert not split.unchanged()
+
+
+def test_a_change_stays_detected_until_the_split_is_remade():
+    model, opt = model_and_optimizer()
+    split = GraphSplit((model, opt))
+    model.linear = nnx.Linear(2, 4, rngs=nnx.Rngs(1))
+    assert not split.unchanged()
+    assert not split.unchanged()
+
+
+def test_reordering_an_ordered_dict_attribute_is_detected():
+    class Table(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.order = collections.OrderedDict(a=1, b=2)
+
+    model = Table()
+    split = GraphSplit((model,))
+    assert split.unchanged()
+    model.order.move_to_end("a")  # its order lives outside the dict: no watcher sees it
     assert not split.unchanged()
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
-from meshlift import compat
+from meshlift import compat, dict_watch
 
 _T = TypeVar("_T")
 
@@ -173,12 +173,66 @@ class _Identity:
         return id(self.obj)
 
 
+class _Snapshot:
+    """The identity of every item of some dicts, lists, sets and slots; `same()` compares it.
+
+    Every loop runs in C: this is on the per-call path.
+    """
+
+    def __init__(
+        self,
+        dicts: list[dict],
+        sequences: list[Any],
+        sets: list[set],
+        slotted: list[tuple[Any, tuple[str, ...]]],
+    ):
+        self._dicts, self._sequences, self._sets, self._slotted = dicts, sequences, sets, slotted
+        self._sized = [*dicts, *sequences, *sets]
+        self.empty = not self._sized and not slotted
+        self.take()
+
+    def take(self) -> None:
+        self._sizes = list(map(len, self._sized))
+        self._keys = list(chain.from_iterable(self._dicts))
+        self._values = list(self._value_stream())
+        self._set_copies = [frozenset(s) for s in self._sets]
+
+    def same(self) -> bool:
+        if list(map(len, self._sized)) != self._sizes:
+            return False
+        # Keys are names, so equality is right (and fast); values must be the same objects.
+        # Lengths are equal, so the value streams line up one to one.
+        if list(chain.from_iterable(self._dicts)) != self._keys:
+            return False
+        if not all(map(operator.is_, self._value_stream(), self._values)):
+            return False
+        return not self._sets or all(
+            frozenset(s) == copy for s, copy in zip(self._sets, self._set_copies, strict=True)
+        )
+
+    def _value_stream(self) -> Iterable[Any]:
+        """Every watched value in a fixed order: dict values, sequence items, slots."""
+        values = chain(
+            chain.from_iterable(map(dict.values, self._dicts)),
+            chain.from_iterable(self._sequences),
+        )
+        if not self._slotted:
+            return values
+        slots = (getattr(obj, name, _MISSING) for obj, names in self._slotted for name in names)
+        return chain(values, slots)
+
+
 class Watcher:
     """A snapshot of the mutable containers that fix the structure of `nodes`.
 
     `unchanged()` is true while no attribute of any node was added, removed
     or replaced, no watched dict, list, set or slot changed, and no Variable's
     metadata changed: identity checks and a few equality checks, no traversal.
+
+    Where `dict_watch.available()` (CPython 3.12), plain dicts (attribute
+    dicts, Variable metadata) report their own changes, so while none did the
+    check reads only lists, sets, slots and which metadata dict each Variable
+    holds: its cost no longer grows with the number of attributes.
     """
 
     def __init__(self, nodes: Any):
@@ -193,48 +247,59 @@ class Watcher:
         self._variables: list[Any] = []
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
-        self._sized = [*self._dicts, *self._sequences, *self._sets]
+        containers = (self._sequences, self._sets, self._slotted)
+        self._everything = _Snapshot(self._dicts, *containers)
+        self._by_watchers = slots is not None and dict_watch.available()
+        if self._by_watchers:
+            # Dict subclasses (an OrderedDict keeps its order outside its dict) are compared.
+            dict_watch.watch(d for d in self._dicts if type(d) is dict)
+            unwatched = [d for d in self._dicts if type(d) is not dict]
+            self._unwatched = _Snapshot(unwatched, *containers)
+            self._metadata_dicts: list[dict | None] = []
         self.snapshot()
 
     def snapshot(self) -> None:
         """Take the current state as the unchanged one (after meshlift itself wrote to it)."""
-        self._sizes = list(map(len, self._sized))
-        self._keys = list(chain.from_iterable(self._dicts))
-        self._values = list(self._value_stream())
-        self._set_copies = [frozenset(s) for s in self._sets]
+        if self._by_watchers:
+            self._seen = self._arm()
+            self._unwatched.take()
+        self._everything.take()
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
 
     def unchanged(self) -> bool:
-        # Every loop below runs in C: this is on the per-call path.
-        if list(map(len, self._sized)) != self._sizes:
-            return False
-        # Keys are names, so equality is right (and fast); values must be the same objects.
-        # Lengths are equal, so the value streams line up one to one.
-        if list(chain.from_iterable(self._dicts)) != self._keys:
-            return False
-        if not all(map(operator.is_, self._value_stream(), self._values)):
-            return False
-        if self._sets and any(
-            frozenset(s) != copy for s, copy in zip(self._sets, self._set_copies, strict=True)
+        if not self._by_watchers:
+            return self._everything.same() and self._metadata_same()
+        if (
+            self._seen == dict_watch.changes()
+            and (self._unwatched.empty or self._unwatched.same())
+            and all(
+                map(operator.is_, map(self._read_metadata, self._variables), self._metadata_dicts)
+            )
         ):
-            return False
+            return True  # no watched dict changed, nor anything the watchers cannot see
+        # Something changed, maybe back to what it was: compare everything.
+        seen = self._arm()  # before comparing, so a change while comparing is counted
+        if self._everything.same() and self._metadata_same():
+            self._seen = seen
+            return True
+        return False
+
+    def _arm(self) -> int:
+        """Watch each Variable's metadata dict as it is now; the change count after that."""
+        current = list(map(self._read_metadata, self._variables))
+        before = self._metadata_dicts or [None] * len(current)
+        fresh = (d for d, old in zip(current, before, strict=True) if d is not old)
+        dict_watch.watch(d for d in fresh if type(d) is dict)
+        self._metadata_dicts = current
+        return dict_watch.changes()
+
+    def _metadata_same(self) -> bool:
         # Metadata values are plain data (names, specs, meshes), read afresh from each
         # Variable: equal means the same structure. Mutable ones are watched as well.
         try:
             return list(map(self._read_metadata, self._variables)) == self._metadata
         except Exception:  # an array in the metadata compared elementwise: call it changed
             return False
-
-    def _value_stream(self) -> Iterable[Any]:
-        """Every watched value in a fixed order: dict values, sequence items, slots."""
-        values = chain(
-            chain.from_iterable(map(dict.values, self._dicts)),
-            chain.from_iterable(self._sequences),
-        )
-        if not self._slotted:
-            return values
-        slots = (getattr(obj, name, _MISSING) for obj, names in self._slotted for name in names)
-        return chain(values, slots)
 
     def _watch(self, obj: Any, seen: set[int]) -> None:
         if isinstance(obj, self._skip) or id(obj) in seen:

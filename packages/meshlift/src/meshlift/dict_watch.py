@@ -1,0 +1,144 @@
+"""Dict watchers: one counter that moves whenever any watched dict changes.
+
+CPython 3.12 added dict watchers to its C API (`PyDict_AddWatcher`,
+`PyDict_Watch`): the interpreter calls a callback before a watched dict
+changes, however it is changed (an item set or deleted, `clear`, `update`, an
+attribute assigned on the object whose `__dict__` it is, the dict freed).
+meshlift registers one callback, through `ctypes`, that bumps `changes()`, so
+`structure.Watcher` can tell that no attribute dict of a model changed by
+comparing one number instead of every attribute.
+
+`available()` probes once that every kind of change is reported. Where it is
+not (Python 3.11; another interpreter; CPython 3.13.0, where an attribute
+stored on an object's inline values changes without telling its dict's
+watchers), it is False and the Watcher compares every attribute instead.
+
+Example:
+
+```python
+from meshlift import dict_watch
+
+config = {"width": 64}
+if dict_watch.available():
+    dict_watch.watch([config])
+    before = dict_watch.changes()
+    config["width"] = 128
+    assert dict_watch.changes() != before
+```
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import platform
+import sys
+import sysconfig
+from collections.abc import Callable, Iterable
+from typing import Any
+
+_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
+_count = [0]
+
+
+def _on_change(event: int, mapping: int, key: int, value: int) -> int:
+    # Runs inside the dict operation: no Python object is touched, nothing can raise.
+    _count[0] += 1
+    return 0
+
+
+def changes() -> int:
+    """How many changes to watched dicts there have been (0 forever if not `available()`)."""
+    return _count[0]
+
+
+def available() -> bool:
+    """Whether watched dicts report every change (probed once)."""
+    return _watcher() is not None
+
+
+def watch(dicts: Iterable[dict]) -> None:
+    """Report changes to each of `dicts` (plain dicts only) in `changes()`; a no-op if not available."""
+    watcher = _watcher()
+    if watcher is not None:
+        for mapping in dicts:
+            watcher.watch(mapping)
+
+
+class _Api:
+    """The watcher registered with the interpreter; cleared at exit, before dicts are torn down."""
+
+    def __init__(self) -> None:
+        api = ctypes.pythonapi
+        prototype = ctypes.PYFUNCTYPE  # holds the GIL and raises the C API's errors
+        add = prototype(ctypes.c_int, _CALLBACK)(("PyDict_AddWatcher", api))
+        self._watch: Callable[[int, dict], int] = prototype(
+            ctypes.c_int, ctypes.c_int, ctypes.py_object
+        )(("PyDict_Watch", api))
+        self._clear: Callable[[int], int] = prototype(ctypes.c_int, ctypes.c_int)(
+            ("PyDict_ClearWatcher", api)
+        )
+        self._callback = _CALLBACK(_on_change)  # kept alive as long as the watcher
+        self.id: int = add(self._callback)
+        atexit.register(self.close)
+
+    def watch(self, mapping: dict) -> None:
+        self._watch(self.id, mapping)
+
+    def close(self) -> None:
+        if self.id >= 0:
+            self._clear(self.id)
+            self.id = -1
+
+
+@functools.cache
+def _watcher() -> _Api | None:
+    if (
+        platform.python_implementation() != "CPython"
+        or sys.version_info < (3, 12)
+        or sysconfig.get_config_var("Py_GIL_DISABLED")
+    ):
+        return None
+    try:
+        api = _Api()
+    except (AttributeError, OSError, RuntimeError, ValueError):  # no such C API here
+        return None
+    if not _reports_every_change(api):
+        api.close()
+        return None
+    return api
+
+
+class _Probe:
+    """A plain heap class: its attributes live on inline values until `__dict__` is read."""
+
+    def __init__(self) -> None:
+        self.a = 0
+
+
+def _store(obj: Any, value: int) -> None:
+    obj.a = value  # one bytecode the interpreter specialises after a few runs
+
+
+def _reports_every_change(api: _Api) -> bool:
+    obj = _Probe()
+    attributes = vars(obj)
+    api.watch(attributes)
+    changes_: list[Callable[[], Any]] = [
+        *(functools.partial(_store, obj, i) for i in range(1, 65)),
+        functools.partial(object.__setattr__, obj, "a", -1),
+        functools.partial(setattr, obj, "b", 1),
+        functools.partial(delattr, obj, "b"),
+        functools.partial(attributes.__setitem__, "c", 2),
+        functools.partial(attributes.update, c=3),
+        attributes.clear,
+    ]
+    for change in changes_:
+        before = changes()
+        change()
+        if changes() == before:
+            return False
+    return True

@@ -1,0 +1,76 @@
+"""dict_watch: the change counter behind the O(1) structure check (CPython 3.12's dict watchers).
+
+Where the interpreter has no dict watchers (3.11) `available()` is False and
+watching is a no-op: the structure check then compares every attribute, which
+test_graph covers on every Python. Where it has them, every way of changing a
+watched dict must move the counter, or the check would miss a change.
+"""
+
+import platform
+import sys
+
+import jax.numpy as jnp
+from flax import nnx
+
+from meshlift import dict_watch
+
+
+def test_available_on_cpython_3_12_and_never_before():
+    if sys.version_info < (3, 12):
+        assert not dict_watch.available()
+    elif platform.python_implementation() == "CPython" and sys.version_info[:2] == (3, 12):
+        assert dict_watch.available()
+
+
+class Block(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5)
+        self.width = 2
+
+
+def _replace_linear(block):
+    block.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+
+
+def _assign(block, i):
+    block.width = i  # a store the interpreter specialises after a few runs
+
+
+CHANGES = {
+    "attribute": lambda b: setattr(b, "width", 3),
+    "specialised attribute store": lambda b: [_assign(b, i) for i in range(10, 80)][-1],
+    "object.__setattr__": lambda b: object.__setattr__(b, "width", 4),
+    "new attribute": lambda b: setattr(b, "extra", 1),
+    "del attribute": lambda b: delattr(b, "width"),
+    "vars()[...] =": lambda b: vars(b).__setitem__("width", 5),
+    "vars().update": lambda b: vars(b).update(width=6),
+    "replace submodule": lambda b: setattr(b, "linear", nnx.Linear(2, 2, rngs=nnx.Rngs(1))),
+    "model.eval()": lambda b: b.eval(),
+    "set_metadata": lambda b: b.linear.kernel.set_metadata(tag="x"),
+    "metadata copied in place": lambda b: b.linear.kernel.copy_from(
+        nnx.Param(jnp.zeros((2, 2)), tag="y")
+    ),
+    "flax's graph update (nnx.jit)": lambda b: nnx.jit(_replace_linear)(b),
+}
+
+
+def test_every_change_to_a_watched_dict_moves_the_counter():
+    for name, change in CHANGES.items():
+        block = Block()
+        metadata = object.__getattribute__(block.linear.kernel, "_var_metadata")
+        dict_watch.watch([vars(block), vars(block.linear), vars(block.drop), metadata])
+        before = dict_watch.changes()
+        change(block)
+        moved = dict_watch.changes() != before
+        assert moved == dict_watch.available(), name
+
+
+def test_reading_and_calling_do_not_move_the_counter():
+    block = Block()
+    dict_watch.watch([vars(block), vars(block.linear)])
+    before = dict_watch.changes()
+    block.linear(jnp.ones((1, 2)))
+    _ = block.width, block.linear.kernel[...]
+    block.linear.kernel[...] = jnp.zeros((2, 2))  # a value, not structure: lives in a slot
+    assert dict_watch.changes() == before
