@@ -84,11 +84,16 @@ def is_committed(array: jax.Array) -> bool:
 
 def outside_traces() -> bool:
     """True when no JAX transform is tracing (where `jax.set_mesh` may be entered)."""
+    return _trace_state_clean()()
+
+
+@functools.cache
+def _trace_state_clean() -> Callable[[], bool]:
     try:
         from jax._src.core import trace_state_clean
     except ImportError:
-        return False  # unknown: callers then leave the mesh context as it is
-    return trace_state_clean()
+        return lambda: False  # unknown: callers act as inside a trace
+    return trace_state_clean
 
 
 def concrete_mesh() -> Any:

@@ -137,6 +137,8 @@ class GraphSplit:
         )
         self._read = slots.read if slots is not None and self.fast else raw
         self._write = slots.write if slots is not None and self.fast else _set_raw_value
+        self._last_positions: Sequence[int] | None = None
+        self._last_targets: tuple[Any, ...] = ()
 
     # -- per call ---------------------------------------------------------
     def unchanged(self) -> bool:
@@ -157,8 +159,7 @@ class GraphSplit:
         """
         homes = self._homes
         if not homes or homes.keys().isdisjoint(positions):  # Variables only: a C-level loop
-            targets = map(self.leaves.__getitem__, positions)
-            collections.deque(map(self._write, targets, values), maxlen=0)
+            collections.deque(map(self._write, self._targets(positions), values), maxlen=0)
             return
         moved = []
         for i, value in zip(positions, values, strict=True):
@@ -174,7 +175,15 @@ class GraphSplit:
             for i, value in moved:
                 new_leaves[i] = value
             self.leaves = tuple(new_leaves)
+            self._last_positions = None
             self._watcher.snapshot()
+
+    def _targets(self, positions: Sequence[int]) -> tuple[Any, ...]:
+        """The leaves at `positions`; kept for the next call, which passes the same positions."""
+        if positions is not self._last_positions:
+            self._last_targets = tuple(map(self.leaves.__getitem__, positions))
+            self._last_positions = positions
+        return self._last_targets
 
     def index_map(self, nodes: tuple[Any, ...]) -> graphlib.IndexMap:
         """Graph index -> the caller's node (`nodes` are this call's top-level nodes)."""

@@ -696,8 +696,9 @@ class _Layout:
             positions = tuple(writes)
             changed = frozenset(info.changed)
             new = tuple(var_out[i] if i in changed else placed[i] for i in positions)
-        self._check_no_leak(new, positions)
-        split.scatter(positions, new, call.nodes)
+        if positions:
+            self._check_no_leak(new, positions)
+            split.scatter(positions, new, call.nodes)
         return split.index_map(call.nodes) if info.outputs.graphdefs else None
 
     def _check_no_leak(
@@ -711,6 +712,8 @@ class _Layout:
         `positions[j]` is the split position `new[j]` goes to; None for a leaf made
         inside (at `new_paths[j]`), outside if the caller's nodes are.
         """
+        if compat.outside_traces():  # then no output is a tracer
+            return
         tracer = jax.core.Tracer
         if not any(map(isinstance, new, itertools.repeat(tracer))):
             return
