@@ -62,6 +62,7 @@ from meshlift.paths import Path, PlanError, TraceLeakError, format_path, listing
 from meshlift.plugins import get_backend
 from meshlift.sharding import StateSharding, is_spec
 from meshlift.stages import Lowered, Traced
+from meshlift.structure import per_type
 
 Params = ParamSpec("Params")  # the lifted function's parameters
 Result = TypeVar("Result")  # and what it returns
@@ -205,7 +206,7 @@ class Lifted(Generic[Params, Result]):
         `mesh` overrides the call-site lookup (a compiled object keeps its mesh).
         """
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
+        leaves, treedef = _flatten_arguments(args, kwargs)
         positions = _node_positions(tuple(map(type, leaves)))
         nodes = tuple(map(leaves.__getitem__, positions))
         mesh = self._call_site_mesh() if mesh is None else mesh
@@ -980,6 +981,25 @@ def _picker(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, 
         (i,) = positions
         return lambda items: (items[i],)
     return lambda items: ()
+
+
+def _flatten_arguments(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """`jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)`, without a Python callback
+    per argument when each is a graph node or an array, as in a training loop's calls."""
+    if not kwargs and all(map(_is_top_level_leaf, map(type, args))):
+        return list(args), _flat_treedef(len(args))
+    return jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
+
+
+@per_type
+def _is_top_level_leaf(cls: type) -> bool:
+    return is_graph_type(cls) or issubclass(cls, jax.Array)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_treedef(count: int) -> Any:
+    """The tree structure of `((leaf,) * count, {})`."""
+    return jax.tree.structure(((0,) * count, {}))
 
 
 @functools.lru_cache(maxsize=256)
