@@ -7,6 +7,7 @@ watched dict must move the counter, or the check would miss a change.
 """
 
 import platform
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -74,3 +75,30 @@ def test_reading_and_calling_do_not_move_the_counter():
     _ = block.width, block.linear.kernel[...]
     block.linear.kernel[...] = jnp.zeros((2, 2))  # a value, not structure: lives in a slot
     assert dict_watch.changes() == before
+
+
+AFTER_EXIT = """
+import atexit
+from flax import nnx
+from meshlift.graph import GraphSplit
+
+model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+def late():  # registered before meshlift's exit handler, so it runs after it
+    split = GraphSplit((model,))
+    assert split.unchanged()
+    model.kernel = nnx.Param(model.kernel[...] * 2)
+    print("detected" if not split.unchanged() else "MISSED")
+
+atexit.register(late)
+from meshlift import dict_watch
+dict_watch.available()  # registers the watcher and its exit handler
+"""
+
+
+def test_a_check_made_after_the_watcher_is_cleared_at_exit_still_sees_changes():
+    out = subprocess.run(
+        [sys.executable, "-c", AFTER_EXIT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "detected"

@@ -30,18 +30,15 @@ if dict_watch.available():
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
+import math
 import platform
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable
 from typing import Any
 
-_CALLBACK = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-)
-_count = [0]
+_count: list[float] = [0]
 
 
 def _on_change(event: int, mapping: int, key: int, value: int) -> int:
@@ -50,8 +47,13 @@ def _on_change(event: int, mapping: int, key: int, value: int) -> int:
     return 0
 
 
-def changes() -> int:
-    """How many changes to watched dicts there have been (0 forever if not `available()`)."""
+def changes() -> float:
+    """How many changes to watched dicts there have been (0 forever if not `available()`).
+
+    NaN once the watcher is cleared at exit: equal to nothing, so a change
+    count taken before never matches again and the structure check compares
+    every attribute.
+    """
     return _count[0]
 
 
@@ -72,26 +74,38 @@ class _Api:
     """The watcher registered with the interpreter; cleared at exit, before dicts are torn down."""
 
     def __init__(self) -> None:
+        import ctypes  # here, not at import: a Python built without it still imports meshlift
+
+        callback_type = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+        )
         api = ctypes.pythonapi
         prototype = ctypes.PYFUNCTYPE  # holds the GIL and raises the C API's errors
-        add = prototype(ctypes.c_int, _CALLBACK)(("PyDict_AddWatcher", api))
+        add = prototype(ctypes.c_int, callback_type)(("PyDict_AddWatcher", api))
         self._watch: Callable[[int, dict], int] = prototype(
             ctypes.c_int, ctypes.c_int, ctypes.py_object
         )(("PyDict_Watch", api))
         self._clear: Callable[[int], int] = prototype(ctypes.c_int, ctypes.c_int)(
             ("PyDict_ClearWatcher", api)
         )
-        self._callback = _CALLBACK(_on_change)  # kept alive as long as the watcher
+        self._callback = callback_type(_on_change)  # kept alive as long as the watcher
         self.id: int = add(self._callback)
-        atexit.register(self.close)
+        atexit.register(_stop, self)
 
     def watch(self, mapping: dict) -> None:
-        self._watch(self.id, mapping)
+        if self.id >= 0:
+            self._watch(self.id, mapping)
 
     def close(self) -> None:
         if self.id >= 0:
             self._clear(self.id)
             self.id = -1
+
+
+def _stop(api: _Api) -> None:
+    """At exit: no more callbacks, and no count taken before matches again."""
+    api.close()
+    _count[0] = math.nan
 
 
 @functools.cache
@@ -104,7 +118,7 @@ def _watcher() -> _Api | None:
         return None
     try:
         api = _Api()
-    except (AttributeError, OSError, RuntimeError, ValueError):  # no such C API here
+    except (ImportError, AttributeError, OSError, RuntimeError, ValueError):  # no C API here
         return None
     if not _reports_every_change(api):
         api.close()

@@ -284,7 +284,7 @@ class Watcher:
             return True
         return False
 
-    def _arm(self) -> int:
+    def _arm(self) -> float:
         """Watch each Variable's metadata dict as it is now; the change count after that."""
         current = list(map(self._read_metadata, self._variables))
         before = self._metadata_dicts or [None] * len(current)
