@@ -141,7 +141,7 @@ def _reports_every_change(api: _Api) -> bool:
     obj = _Probe()
     attributes = vars(obj)
     api.watch(attributes)
-    changes_: list[Callable[[], Any]] = [
+    edits: list[Callable[[], Any]] = [
         *(functools.partial(_store, obj, i) for i in range(1, 65)),
         functools.partial(object.__setattr__, obj, "a", -1),
         functools.partial(setattr, obj, "b", 1),
@@ -150,9 +150,9 @@ def _reports_every_change(api: _Api) -> bool:
         functools.partial(attributes.update, c=3),
         attributes.clear,
     ]
-    for change in changes_:
+    for edit in edits:
         before = changes()
-        change()
+        edit()
         if changes() == before:
             return False
     return True
