@@ -578,17 +578,8 @@ def print_table(console: Console, meta: dict[str, Any], results, checks) -> None
     console.print(f"total time: {meta['total_s']:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    global DATA_DEVICES
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 32, 128])
-    parser.add_argument(
-        "--repeats",
-        type=float,
-        default=1.0,
-        help="scale the number of rounds and the batch length "
-        "(1 = the default run, about 3 minutes on 2 cores; 0.2 = smoke test)",
-    )
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--json, --gc and --shard-map-devices, which both benchmarks take."""
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON on stdout")
     parser.add_argument(
         "--gc",
@@ -603,6 +594,20 @@ def main(argv: list[str] | None = None) -> int:
         help="size of the shard_map variants' data-parallel mesh (default %(default)s; "
         "1 isolates dispatch from the cost of executing on simulated devices)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DATA_DEVICES
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 32, 128])
+    parser.add_argument(
+        "--repeats",
+        type=float,
+        default=1.0,
+        help="scale the number of rounds and the batch length "
+        "(1 = the default run, about 3 minutes on 2 cores; 0.2 = smoke test)",
+    )
+    add_output_options(parser)
     args = parser.parse_args(argv)
     DATA_DEVICES = args.shard_map_devices
 

@@ -679,19 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="depth of the model whose first call is timed (default %(default)s)",
     )
-    parser.add_argument("--json", action="store_true", help="print the numbers as JSON on stdout")
-    parser.add_argument(
-        "--gc",
-        action="store_true",
-        help="keep the garbage collector on while timing "
-        "(default: off inside each batch, like timeit)",
-    )
-    parser.add_argument(
-        "--shard-map-devices",
-        type=int,
-        default=DATA_DEVICES,
-        help="size of the shard_map variants' data-parallel mesh (default %(default)s)",
-    )
+    dispatch.add_output_options(parser)
     args = parser.parse_args(argv)
     DATA_DEVICES = args.shard_map_devices
 
