@@ -179,3 +179,32 @@ def test_named_sharding_on_a_mesh_with_other_axes_is_checked_against_its_own_mes
     # the reference: jax.jit refuses the same sharding for that shape, naming no argument
     with pytest.raises(ValueError, match="evenly divide"):
         jax.jit(lambda k: k, in_shardings=NamedSharding(other, P(None, "x")))(layer.kernel[...])
+
+
+def test_argument_flattening_matches_jax_tree_flatten():
+    # the per-call shortcut for top-level modules and arrays must give jax's own answer
+    from meshlift.graph import is_graph_leaf
+    from meshlift.lift import _flatten_arguments
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 2))
+    cases = [
+        ((model, x), {}),
+        ((x, model, x), {}),
+        ((), {}),
+        ((model, None), {}),
+        ((model,), {"x": x}),
+        (((model, x), [x]), {}),
+        ((model, np.ones(2), 3.0), {}),
+    ]
+
+    def check(args, kwargs):
+        leaves, treedef = _flatten_arguments(args, kwargs)
+        expected_leaves, expected = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
+        assert treedef == expected
+        assert len(leaves) == len(expected_leaves)
+        assert all(a is b for a, b in zip(leaves, expected_leaves, strict=True))
+
+    for args, kwargs in cases:
+        check(args, kwargs)
+    jax.jit(lambda x: check((model, x), {}) or x)(x)  # a tracer among the arguments
