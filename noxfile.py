@@ -205,8 +205,9 @@ def wheels(session: nox.Session) -> None:
     """Build the four sdists and wheels, install the wheels into this clean venv, check them.
 
     Each wheel is built from its sdist (so a file missing from an sdist fails here),
-    each carries the LICENSE, and `meshlift --version` run from the installed wheels
-    lists the core and the three backends with their version and license.
+    each carries the LICENSE, the core's carries its C loops (`meshlift._speedups`), and
+    `meshlift --version` run from the installed wheels lists the core and the three
+    backends with their version and license.
     """
     import shutil
     import tarfile
@@ -233,6 +234,8 @@ def wheels(session: nox.Session) -> None:
         session.error(f"expected a wheel and an sdist for each of {list(PACKAGES.values())}")
 
     session.install("-c", "constraints.txt", *(str(wheel) for wheel in dist.glob("*.whl")))
+    compiled = "from meshlift import speedups; assert speedups.COMPILED, 'no meshlift._speedups'"
+    session.run("python", "-c", compiled)
     listing = session.run("meshlift", "--version", silent=True, stderr=None)
     print(listing, end="")
     lines = {line.split()[0]: line.split() for line in listing.splitlines() if line.strip()}

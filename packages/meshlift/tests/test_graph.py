@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import meshlift as ml
-from meshlift import compat
+from meshlift import compat, dict_watch
 from meshlift.graph import GraphSplit, Rebuilt, is_graph_leaf
 from meshlift.structure import fingerprint
 
@@ -60,6 +60,17 @@ def path_kind(request, monkeypatch):
     """Run on the fast path, and on the public-API fallback an unpinned flax version gets."""
     if request.param == "public-api":
         monkeypatch.setattr(compat, "variable_slots", lambda: None)
+    return request.param
+
+
+STRUCTURE_CHECKS = ["comparison", *(["dict watchers"] if dict_watch.available() else [])]
+
+
+@pytest.fixture(params=STRUCTURE_CHECKS)
+def structure_check(request, monkeypatch):
+    """Check structure with dict watchers (CPython 3.12) and by comparing every item (else)."""
+    if request.param == "comparison":
+        monkeypatch.setattr(dict_watch, "available", lambda: False)
     return request.param
 
 
@@ -284,6 +295,7 @@ STRUCTURAL_CHANGES = {
 
 
 @pytest.mark.parametrize("change", STRUCTURAL_CHANGES.values(), ids=STRUCTURAL_CHANGES.keys())
+@pytest.mark.usefixtures("structure_check")
 def test_structural_change_is_detected(change):
     model, opt = model_and_optimizer()
     split = GraphSplit((model, opt))
@@ -292,6 +304,7 @@ def test_structural_change_is_detected(change):
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_replacing_an_nnx_dict_entry_is_detected():
     class Heads(nnx.Module):
         def __init__(self):
@@ -303,6 +316,7 @@ def test_replacing_an_nnx_dict_entry_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_replacing_an_entry_of_a_plain_list_attribute_is_detected():
     class Blocks(nnx.Module):
         def __init__(self):
@@ -314,6 +328,7 @@ def test_replacing_an_entry_of_a_plain_list_attribute_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_replacing_a_variable_inside_an_nnx_state_is_detected():
     state = nnx.state(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     split = GraphSplit((state,))
@@ -322,6 +337,7 @@ def test_replacing_a_variable_inside_an_nnx_state_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_variable_metadata_is_part_of_the_key():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     split = GraphSplit((model,))
@@ -329,6 +345,7 @@ def test_variable_metadata_is_part_of_the_key():
     assert GraphSplit((model,)).key != split.key
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_variable_metadata_change_is_detected():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     split = GraphSplit((model,))
@@ -336,6 +353,7 @@ def test_variable_metadata_change_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_mutable_metadata_value_changed_in_place_is_detected():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     model.kernel.set_metadata(tags=["encoder"])
@@ -344,6 +362,7 @@ def test_mutable_metadata_value_changed_in_place_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_variable_metadata_replaced_by_a_new_dict_is_detected():
     # set_metadata(mapping) swaps the Variable's metadata dict instead of changing it
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
@@ -352,6 +371,7 @@ def test_variable_metadata_replaced_by_a_new_dict_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_an_equal_metadata_dict_is_followed_for_later_changes():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     split = GraphSplit((model,))
@@ -361,6 +381,7 @@ def test_an_equal_metadata_dict_is_followed_for_later_changes():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_a_change_stays_detected_until_the_split_is_remade():
     model, opt = model_and_optimizer()
     split = GraphSplit((model, opt))
@@ -369,6 +390,29 @@ def test_a_change_stays_detected_until_the_split_is_remade():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
+def test_a_metadata_change_stays_detected_until_the_split_is_remade():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    split = GraphSplit((model,))
+    model.kernel.set_metadata(out_sharding=(None, "model"))
+    assert not split.unchanged()
+    assert not split.unchanged()
+    assert GraphSplit((model,)).unchanged()
+
+
+@pytest.mark.usefixtures("structure_check")
+def test_metadata_set_to_an_equal_value_is_no_change_and_later_changes_are_seen():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    model.kernel.set_metadata(out_sharding=(None, "model"))
+    split = GraphSplit((model,))
+    model.kernel.set_metadata(out_sharding=tuple([None, "model"]))  # equal, another tuple
+    assert split.unchanged()
+    assert split.unchanged()
+    model.kernel.set_metadata(out_sharding=("model", None))
+    assert not split.unchanged()
+
+
+@pytest.mark.usefixtures("structure_check")
 def test_reordering_an_ordered_dict_attribute_is_detected():
     class Table(nnx.Module):
         def __init__(self):
@@ -382,6 +426,7 @@ def test_reordering_an_ordered_dict_attribute_is_detected():
     assert not split.unchanged()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_tracing_and_calling_leave_the_split_unchanged():
     # flax's per-object trace state changes on every trace: it is not structure
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
@@ -403,6 +448,7 @@ class Configured(nnx.Module):
         self.config = Config()
 
 
+@pytest.mark.usefixtures("structure_check")
 def test_static_dataclass_mutated_in_place_is_detected():
     model = Configured()
     split = GraphSplit((model,))

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,31 +29,29 @@ from flax import nnx
 
 
 class VariableSlots(NamedTuple):
-    """Direct readers and writer of a Variable's array and metadata, skipping copies and hooks."""
+    """The slot descriptors holding a Variable's array and metadata dict: reading and writing
+    through them skips `get_value`'s copies and hooks (`meshlift.speedups` loops over them)."""
 
-    read: Callable[[Any], Any]
-    write: Callable[[Any, Any], None]
-    read_metadata: Callable[[Any], dict[str, Any]]
+    value: Any
+    metadata: Any
 
 
 @functools.cache
 def variable_slots() -> VariableSlots | None:
     """The fast path's slots if this flax has them and they behave, else None (checked once)."""
     try:
-        descriptor: Any = inspect.getattr_static(nnx.Variable, "_raw_value")  # a slot
-        write = descriptor.__set__
-        read = operator.attrgetter("_raw_value")
-        read_metadata = operator.attrgetter("_var_metadata")
+        value: Any = inspect.getattr_static(nnx.Variable, "_raw_value")  # a slot
+        metadata: Any = inspect.getattr_static(nnx.Variable, "_var_metadata")
         probe = nnx.Param(jax.numpy.zeros(()), probe_tag=1)
         marker = jax.numpy.ones(())
-        write(probe, marker)
-        if read(probe) is not marker or probe.get_raw_value() is not marker:
+        value.__set__(probe, marker)
+        if value.__get__(probe) is not marker or probe.get_raw_value() is not marker:
             return None
-        if read_metadata(probe).get("probe_tag") != 1:
+        if metadata.__get__(probe).get("probe_tag") != 1:
             return None
     except Exception:  # a flax without these slots: the public API is used instead
         return None
-    return VariableSlots(read, write, read_metadata)
+    return VariableSlots(value, metadata)
 
 
 @functools.cache

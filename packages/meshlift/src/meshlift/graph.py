@@ -35,7 +35,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from meshlift import compat
+from meshlift import compat, speedups
 from meshlift.paths import Path, PlanError, StructureChangedError, format_path, listing
 from meshlift.structure import Watcher, fingerprint, per_type
 
@@ -135,8 +135,7 @@ class GraphSplit:
         self.fast = (
             slots is not None and all_variables and not any(v.hijax or v.ref for v in self.leaves)
         )
-        self._read = slots.read if slots is not None and self.fast else raw
-        self._write = slots.write if slots is not None and self.fast else _set_raw_value
+        self._slot = slots.value if slots is not None and self.fast else None
         self._last_positions: Sequence[int] | None = None
         self._last_targets: tuple[Any, ...] = ()
 
@@ -147,7 +146,9 @@ class GraphSplit:
 
     def gather(self) -> tuple[Any, ...]:
         """The current array of every leaf, in split order."""
-        return tuple(map(self._read, self.leaves))
+        if self._slot is None:
+            return tuple(map(raw, self.leaves))
+        return speedups.read_each(self._slot, self.leaves)
 
     def scatter(
         self, positions: Sequence[int], values: Sequence[Any], nodes: tuple[Any, ...]
@@ -158,8 +159,11 @@ class GraphSplit:
         replaced on its parent, found from `nodes` (this call's top-level nodes).
         """
         homes = self._homes
-        if not homes or homes.keys().isdisjoint(positions):  # Variables only: a C-level loop
-            collections.deque(map(self._write, self._targets(positions), values), maxlen=0)
+        if not homes or homes.keys().isdisjoint(positions):  # Variables only: one loop
+            if self._slot is None:
+                collections.deque(map(_set_raw_value, self._targets(positions), values), maxlen=0)
+            else:
+                speedups.write_each(self._slot, self._targets(positions), tuple(values))
             return
         moved = []
         for i, value in zip(positions, values, strict=True):
@@ -169,7 +173,7 @@ class GraphSplit:
                 _node_impl(parent).set_key(parent, key, value)
                 moved.append((i, value))
             else:
-                self._write(self.leaves[i], value)
+                _set_raw_value(self.leaves[i], value)
         if moved:  # the split now sees the new arrays, and so does the watcher
             new_leaves = list(self.leaves)
             for i, value in moved:

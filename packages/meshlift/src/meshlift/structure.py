@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
-from meshlift import compat, dict_watch
+from meshlift import compat, dict_watch, speedups
 
 _T = TypeVar("_T")
 
@@ -176,7 +176,8 @@ class _Identity:
 class _Snapshot:
     """The identity of every item of some dicts, lists, sets and slots; `same()` compares it.
 
-    Every loop runs in C: this is on the per-call path.
+    This is on the per-call path: plain dicts, nearly all of it, are compared
+    in one `speedups.same_items` loop; the rest in loops that run in C too.
     """
 
     def __init__(
@@ -186,18 +187,31 @@ class _Snapshot:
         sets: list[set],
         slotted: list[tuple[Any, tuple[str, ...]]],
     ):
-        self._dicts, self._sequences, self._sets, self._slotted = dicts, sequences, sets, slotted
-        self._sized = [*dicts, *sequences, *sets]
-        self.empty = not self._sized and not slotted
+        self._plain = tuple(d for d in dicts if type(d) is dict)
+        # a dict subclass may iterate otherwise (an OrderedDict keeps its own order)
+        self._dicts = [d for d in dicts if type(d) is not dict]
+        self._sequences, self._sets, self._slotted = sequences, sets, slotted
+        self._sized = [*self._dicts, *sequences, *sets]
+        self.empty = not dicts and not self._sized and not slotted
         self.take()
 
     def take(self) -> None:
+        plain = self._plain
+        self._plain_sizes = tuple(map(len, plain))
+        self._plain_keys = tuple(chain.from_iterable(plain))
+        self._plain_values = tuple(chain.from_iterable(map(dict.values, plain)))
         self._sizes = list(map(len, self._sized))
         self._keys = list(chain.from_iterable(self._dicts))
         self._values = list(self._value_stream())
         self._set_copies = [frozenset(s) for s in self._sets]
 
     def same(self) -> bool:
+        if not speedups.same_items(
+            self._plain, self._plain_sizes, self._plain_keys, self._plain_values
+        ):
+            return False
+        if not self._sized and not self._slotted:
+            return True
         if list(map(len, self._sized)) != self._sizes:
             return False
         # Keys are names, so equality is right (and fast); values must be the same objects.
@@ -211,7 +225,8 @@ class _Snapshot:
         )
 
     def _value_stream(self) -> Iterable[Any]:
-        """Every watched value in a fixed order: dict values, sequence items, slots."""
+        """Every watched value but the plain dicts' in a fixed order: dict values,
+        sequence items, slots."""
         values = chain(
             chain.from_iterable(map(dict.values, self._dicts)),
             chain.from_iterable(self._sequences),
@@ -237,8 +252,9 @@ class Watcher:
 
     def __init__(self, nodes: Any):
         slots = compat.variable_slots()
-        self._read_metadata = (
-            slots.read_metadata if slots is not None else operator.methodcaller("get_metadata")
+        self._metadata_slot = None if slots is None else slots.metadata
+        self._read_metadata: Callable[[Any], Any] = (
+            operator.methodcaller("get_metadata") if slots is None else slots.metadata.__get__
         )
         self._dicts: list[dict] = []
         self._sequences: list[Any] = []
@@ -247,6 +263,7 @@ class Watcher:
         self._variables: list[Any] = []
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
+        self._variable_tuple = tuple(self._variables)
         containers = (self._sequences, self._sets, self._slotted)
         self._everything = _Snapshot(self._dicts, *containers)
         self._by_watchers = slots is not None and dict_watch.available()
@@ -255,26 +272,33 @@ class Watcher:
             dict_watch.watch(d for d in self._dicts if type(d) is dict)
             unwatched = [d for d in self._dicts if type(d) is not dict]
             self._unwatched = _Snapshot(unwatched, *containers)
-            self._metadata_dicts: list[dict | None] = []
+        self._metadata_dicts: tuple[Any, ...] = ()
         self.snapshot()
 
     def snapshot(self) -> None:
         """Take the current state as the unchanged one (after meshlift itself wrote to it)."""
+        self._seen = self._arm()
         if self._by_watchers:
-            self._seen = self._arm()
             self._unwatched.take()
         self._everything.take()
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
 
     def unchanged(self) -> bool:
-        if not self._by_watchers:
-            return self._everything.same() and self._metadata_same()
+        if self._by_watchers:
+            return self._unchanged_by_watchers()
+        if self._everything.same() and self._same_metadata_items():
+            return True  # the same objects everywhere
+        if self._everything.same() and self._metadata_same():  # equal metadata, new objects
+            self._arm()
+            return True
+        return False
+
+    def _unchanged_by_watchers(self) -> bool:
         if (
             self._seen == dict_watch.changes()
+            and self._metadata_watched
             and (self._unwatched.empty or self._unwatched.same())
-            and all(
-                map(operator.is_, map(self._read_metadata, self._variables), self._metadata_dicts)
-            )
+            and self._same_metadata_dicts()
         ):
             return True  # no watched dict changed, nor anything the watchers cannot see
         # Something changed, maybe back to what it was: compare everything.
@@ -284,12 +308,33 @@ class Watcher:
             return True
         return False
 
+    def _same_metadata_items(self) -> bool:
+        """Whether each Variable holds the metadata dict it held when last armed, with the
+        same items (without dict watchers)."""
+        items = self._metadata_items
+        return items is not None and self._same_metadata_dicts() and items.same()
+
+    def _same_metadata_dicts(self) -> bool:
+        """Whether each Variable holds the metadata dict it held when last armed."""
+        if self._metadata_slot is None:
+            held = map(self._read_metadata, self._variable_tuple)
+            return all(map(operator.is_, held, self._metadata_dicts))
+        return speedups.read_each_is(
+            self._metadata_slot, self._variable_tuple, self._metadata_dicts
+        )
+
     def _arm(self) -> float:
-        """Watch each Variable's metadata dict as it is now; the change count after that."""
-        current = list(map(self._read_metadata, self._variables))
-        before = self._metadata_dicts or [None] * len(current)
-        fresh = (d for d, old in zip(current, before, strict=True) if d is not old)
-        dict_watch.watch(d for d in fresh if type(d) is dict)
+        """Note the metadata dict each Variable holds now, so that a change to one is seen:
+        watch it (dict watchers), else snapshot its items. The change count after that."""
+        current = tuple(map(self._read_metadata, self._variable_tuple))
+        if self._by_watchers:
+            before = self._metadata_dicts or (None,) * len(current)
+            fresh = (d for d, old in zip(current, before, strict=True) if d is not old)
+            dict_watch.watch(d for d in fresh if type(d) is dict)
+            self._metadata_watched = all(type(d) is dict for d in current)
+        else:  # only dicts are compared item by item; anything else, by value every call
+            every_dict = all(isinstance(d, dict) for d in current)
+            self._metadata_items = _Snapshot(list(current), [], [], []) if every_dict else None
         self._metadata_dicts = current
         return dict_watch.changes()
 

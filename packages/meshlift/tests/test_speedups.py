@@ -1,0 +1,153 @@
+"""meshlift.speedups: the C loops and their pure-Python twins give the same results.
+
+Every case runs on both; the C extension must have been built here (the
+noxfile installs meshlift, which compiles it), so that the suite measures
+what users get.
+"""
+
+import collections
+import inspect
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from meshlift import _speedups, compat, speedups
+
+TWINS = {
+    "C": _speedups,
+    "Python": type(
+        "Twins",
+        (),
+        {
+            name: staticmethod(getattr(speedups, f"_{name}"))
+            for name in ("read_each", "read_each_is", "write_each", "same_items")
+        },
+    ),
+}
+
+
+@pytest.fixture(params=TWINS, ids=TWINS)
+def impl(request):
+    return TWINS[request.param]
+
+
+class Box:
+    __slots__ = ("item",)
+
+    def __init__(self, item=None):
+        self.item = item
+
+
+SLOT = inspect.getattr_static(Box, "item")
+
+
+def test_the_extension_is_built_and_used():
+    assert speedups.COMPILED
+    assert speedups.read_each is _speedups.read_each
+
+
+def test_read_each(impl):
+    a, b = object(), object()
+    assert impl.read_each(SLOT, (Box(a), Box(b))) == (a, b)
+    assert impl.read_each(SLOT, ()) == ()
+
+
+def test_read_each_of_an_unset_slot_raises_attribute_error(impl):
+    empty = Box()
+    del empty.item
+    with pytest.raises(AttributeError, match="item"):
+        impl.read_each(SLOT, (Box(1), empty))
+
+
+def test_read_each_checks_the_objects_type(impl):
+    with pytest.raises(TypeError):
+        impl.read_each(SLOT, (Box(1), object()))
+
+
+def test_read_each_is(impl):
+    a, b = object(), object()
+    boxes = (Box(a), Box(b))
+    assert impl.read_each_is(SLOT, boxes, (a, b))
+    assert not impl.read_each_is(SLOT, boxes, (a, object()))
+    assert not impl.read_each_is(SLOT, boxes, (a,))
+
+
+def test_read_each_is_compares_identity_not_equality(impl):
+    boxes = (Box([1, 2]),)
+    assert not impl.read_each_is(SLOT, boxes, ([1, 2],))
+
+
+def test_write_each(impl):
+    boxes = (Box(1), Box(2))
+    assert impl.write_each(SLOT, boxes, ("x", "y")) is None
+    assert [box.item for box in boxes] == ["x", "y"]
+
+
+def test_write_each_refuses_unequal_lengths_and_writes_nothing(impl):
+    boxes = (Box(1), Box(2))
+    with pytest.raises(ValueError, match="2 objects but 1 values"):
+        impl.write_each(SLOT, boxes, ("x",))
+    assert [box.item for box in boxes] == [1, 2]
+
+
+def test_on_flax_variable_slots(impl):
+    slots = compat.variable_slots()
+    assert slots is not None
+    variables = (nnx.Param(jnp.zeros(2), tag="a"), nnx.BatchStat(jnp.ones(3)))
+    arrays = impl.read_each(slots.value, variables)
+    assert arrays == tuple(v.get_raw_value() for v in variables)
+    metadata = impl.read_each(slots.metadata, variables)
+    assert metadata[0]["tag"] == "a"
+    assert impl.read_each_is(slots.metadata, variables, metadata)
+    new = (jnp.full(2, 5.0), jnp.full(3, 7.0))
+    impl.write_each(slots.value, variables, new)
+    assert all(v.get_raw_value() is x for v, x in zip(variables, new, strict=True))
+
+
+def snapshot(dicts):
+    dicts = tuple(dicts)
+    keys = tuple(k for d in dicts for k in d)
+    values = tuple(v for d in dicts for v in d.values())
+    return dicts, tuple(map(len, dicts)), keys, values
+
+
+def test_same_items_unchanged(impl):
+    a, b = {"x": object(), "y": 1}, {"z": object()}
+    assert impl.same_items(*snapshot([a, b]))
+    assert impl.same_items(*snapshot([]))
+
+
+CHANGES = {
+    "value replaced": lambda a, b: a.__setitem__("x", object()),
+    "value replaced by an equal one": lambda a, b: a.__setitem__("y", int(str(10**30))),
+    "key added": lambda a, b: a.__setitem__("w", 0),
+    "key removed": lambda a, b: a.pop("y"),
+    "key renamed": lambda a, b: a.__setitem__("y2", a.pop("y")),
+    "reordered": lambda a, b: a.__setitem__("x", a.pop("x")),
+    # the flattened keys and values stay the same: only each dict's size tells
+    "item moved to the next dict": lambda a, b: b.update([("y", a.pop("y")), ("z", b.pop("z"))]),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_same_items_sees_each_change(impl, change):
+    a, b = {"x": object(), "y": 10**30}, {"z": object()}
+    taken = snapshot([a, b])
+    change(a, b)
+    assert not impl.same_items(*taken)
+
+
+def test_same_items_compares_keys_by_equality(impl):
+    key = "".join(["na", "me"])
+    value = object()
+    taken = snapshot([{key: value}])
+    rebuilt = {"".join(["nam", "e"]): value}  # an equal key, another string object
+    assert impl.same_items((rebuilt,), *taken[1:])
+
+
+def test_c_loops_take_tuples_only():
+    with pytest.raises(TypeError, match="objects must be a tuple, not list"):
+        _speedups.read_each(SLOT, [Box(1)])
+    with pytest.raises(TypeError, match=r"expected dicts, got .*OrderedDict"):
+        _speedups.same_items((collections.OrderedDict(a=1),), (1,), ("a",), (1,))
