@@ -1,8 +1,9 @@
 """GraphSplit, fingerprint and is_graph_leaf on real NNX modules, optimizers and Rngs.
 
-Most GraphSplit tests run twice: once on the fast path (flax's raw Variable
-slot, pinned to tested flax versions) and once on the public-API fallback,
-selected by a flax without the private slots (``compat.variable_slots`` gives None).
+Most GraphSplit tests run three times: on the fast path (flax's raw Variable
+slot, pinned to tested flax versions), read and written by the C loops of
+`meshlift.speedups` and by their Python twins, and on the public-API fallback,
+selected by a flax without the private slots (`compat.variable_slots` gives None).
 """
 
 import collections
@@ -19,7 +20,7 @@ import pytest
 from flax import nnx
 
 import meshlift as ml
-from meshlift import compat, dict_watch
+from meshlift import compat, dict_watch, speedups
 from meshlift.graph import GraphSplit, Rebuilt, is_graph_leaf
 from meshlift.structure import fingerprint
 
@@ -55,28 +56,44 @@ def index(split, *path):
 N_VARIABLES = 20
 
 
-@pytest.fixture(params=["fast", "public-api"])
+@pytest.fixture(params=["fast", "fast, Python loops", "public-api"])
 def path_kind(request, monkeypatch):
-    """Run on the fast path, and on the public-API fallback an unpinned flax version gets."""
+    """Run on the fast path (with the C loops of `meshlift.speedups`, and with their Python
+    twins, as installed without a compiler), and on the public-API fallback."""
     if request.param == "public-api":
         monkeypatch.setattr(compat, "variable_slots", lambda: None)
+    if request.param == "fast, Python loops":
+        use_python_loops(monkeypatch)
     return request.param
 
 
-STRUCTURE_CHECKS = ["comparison", *(["dict watchers"] if dict_watch.available() else [])]
+def use_python_loops(monkeypatch):
+    """`meshlift.speedups` as installed without a C compiler: the pure-Python twins."""
+    for name in ("read_each", "read_each_is", "write_each", "same_items"):
+        monkeypatch.setattr(speedups, name, getattr(speedups, f"_{name}"))
+
+
+STRUCTURE_CHECKS = [
+    "comparison",
+    "comparison, Python loops",
+    *(["dict watchers"] if dict_watch.available() else []),
+]
 
 
 @pytest.fixture(params=STRUCTURE_CHECKS)
 def structure_check(request, monkeypatch):
-    """Check structure with dict watchers (CPython 3.12) and by comparing every item (else)."""
-    if request.param == "comparison":
+    """Check structure with dict watchers (CPython 3.12) and by comparing every item (else),
+    in C and in Python."""
+    if request.param.startswith("comparison"):
         monkeypatch.setattr(dict_watch, "available", lambda: False)
+    if request.param.endswith("Python loops"):
+        use_python_loops(monkeypatch)
     return request.param
 
 
 def make_split(nodes, path_kind):
     split = GraphSplit(nodes)
-    assert split.fast is (path_kind == "fast")
+    assert split.fast is (path_kind != "public-api")
     return split
 
 

@@ -208,3 +208,39 @@ def test_argument_flattening_matches_jax_tree_flatten():
     for args, kwargs in cases:
         check(args, kwargs)
     jax.jit(lambda x: check((model, x), {}) or x)(x)  # a tracer among the arguments
+
+
+def test_each_call_runs_on_its_own_arguments_as_eager_does():
+    # A call with the same argument types, nodes and mesh as the last skips the lookup:
+    # every other sequence of calls must still find its own layout.
+    import gc
+
+    def forward(model, x):
+        return model(sum(jax.tree.leaves(x)))
+
+    lifted = ml.jit(forward)
+    x = jnp.ones((1, 2))
+    first, second = (nnx.Linear(2, 3, rngs=nnx.Rngs(seed)) for seed in (0, 1))
+    calls = [
+        (first, x),
+        (first, x),  # the same again
+        (second, x),  # another node
+        (first, 2 * x),  # back, another array
+        (first, np.ones((1, 2), np.float32)),  # another type of array
+        (first, (x, 3 * x)),  # a tuple: another tree structure
+        (first, x),
+        (second, x),
+    ]
+    for model, arg in calls:
+        np.testing.assert_allclose(lifted(model, arg), forward(model, arg), rtol=1e-6)
+    for seed in range(3):  # a node collected, and new ones made, maybe at its address
+        del first
+        gc.collect()
+        first = nnx.Linear(2, 3, rngs=nnx.Rngs(10 + seed))
+        np.testing.assert_allclose(lifted(first, x), forward(first, x), rtol=1e-6)
+        np.testing.assert_allclose(lifted(first, x), forward(first, x), rtol=1e-6)
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    with ml.use_mesh(mesh):  # another mesh: its own layout
+        out = lifted(first, x)
+    np.testing.assert_allclose(out, forward(first, x), rtol=1e-6)
+    assert out.sharding.mesh.shape == mesh.shape

@@ -129,6 +129,7 @@ class Lifted(Generic[Params, Result]):
             fun, static_argnums, static_argnames, donate_argnums, donate_argnames
         )
         self._layouts = _LayoutCache()
+        self._last: _Repeat | None = None  # the last call, if the next may skip the lookup
         self._passed: dict[Any, tuple[int, ...]] = {}  # treedef -> leaves passed through
         self._staged = _shared_stages(fun, self._options_key())
 
@@ -205,13 +206,19 @@ class Lifted(Generic[Params, Result]):
 
         `mesh` overrides the call-site lookup (a compiled object keeps its mesh).
         """
+        mesh = self._call_site_mesh() if mesh is None else mesh
+        last = self._last
+        if last is not None and not kwargs and last.mesh is mesh and last.matches(args):
+            call = _Call(list(args), tuple(map(args.__getitem__, last.positions)))
+            if last.layout.split.unchanged():
+                return last.layout, call
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
         leaves, treedef = _flatten_arguments(args, kwargs)
         positions = _node_positions(tuple(map(type, leaves)))
         nodes = tuple(map(leaves.__getitem__, positions))
-        mesh = self._call_site_mesh() if mesh is None else mesh
         key: tuple[Any, ...] = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
-        if self._passed and (passed := self._passed.get(treedef)):
+        passed = self._passed.get(treedef) if self._passed else None
+        if passed:
             key += tuple(_pass_key(leaves[i]) for i in passed)
         call = _Call(leaves, nodes)
         try:
@@ -222,7 +229,9 @@ class Lifted(Generic[Params, Result]):
             layout = _Layout(self, args, kwargs, call, treedef, statics, mesh)
             self._layouts.put(key, layout, call.nodes)
             if layout.passed:
-                self._passed[treedef] = tuple(layout.passed)
+                self._passed[treedef] = passed = tuple(layout.passed)
+        repeatable = not (kwargs or statics or passed) and treedef is _flat_treedef(len(args))
+        self._last = _Repeat.of(args, positions, mesh, layout) if repeatable else None
         return layout, call
 
     def _call_site_mesh(self) -> Any:
@@ -275,6 +284,47 @@ class _Call:
 
     def __init__(self, leaves: list[Any], nodes: tuple[Any, ...]):
         self.leaves, self.nodes = leaves, nodes
+
+
+class _Repeat:
+    """A call whose arguments are all graph nodes or arrays, and its layout: the next call
+    with arguments of the same types, the same nodes and the same mesh has the same key,
+    so it skips the flatten and the lookup. Nodes are held weakly, as the cache holds them.
+    """
+
+    __slots__ = ("layout", "mesh", "positions", "refs", "types")
+
+    def __init__(
+        self,
+        types: tuple[type, ...],
+        positions: tuple[int, ...],
+        refs: tuple,
+        mesh: Any,
+        layout: _Layout,
+    ):
+        self.types, self.positions, self.refs, self.mesh, self.layout = (
+            types,
+            positions,
+            refs,
+            mesh,
+            layout,
+        )
+
+    @classmethod
+    def of(
+        cls, args: tuple, positions: tuple[int, ...], mesh: Any, layout: _Layout
+    ) -> _Repeat | None:
+        try:
+            refs = tuple(weakref.ref(args[i]) for i in positions)
+        except TypeError:  # a node that takes no weak reference
+            return None
+        return cls(tuple(map(type, args)), positions, refs, mesh, layout)
+
+    def matches(self, args: tuple) -> bool:
+        nodes = map(args.__getitem__, self.positions)
+        return tuple(map(type, args)) == self.types and all(
+            map(operator.is_, nodes, map(operator.call, self.refs))
+        )
 
 
 class _LayoutCache:
