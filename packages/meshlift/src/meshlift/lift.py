@@ -302,13 +302,11 @@ class _Repeat:
         mesh: Any,
         layout: _Layout,
     ):
-        self.types, self.positions, self.refs, self.mesh, self.layout = (
-            types,
-            positions,
-            refs,
-            mesh,
-            layout,
-        )
+        self.types = types
+        self.positions = positions
+        self.refs = refs  # weak references to the nodes at `positions`
+        self.mesh = mesh
+        self.layout = layout
 
     @classmethod
     def of(

@@ -247,7 +247,10 @@ class Watcher:
     Where `dict_watch.available()` (CPython 3.12), plain dicts (attribute
     dicts, Variable metadata) report their own changes, so while none did the
     check reads only lists, sets, slots and which metadata dict each Variable
-    holds: its cost no longer grows with the number of attributes.
+    holds: its cost no longer grows with the number of attributes. Elsewhere
+    every item is compared by identity, in C (`speedups.same_items`), metadata
+    dicts too; a Variable's metadata is compared by value only when one of
+    those differs, so equal metadata set anew is no change.
     """
 
     def __init__(self, nodes: Any):
