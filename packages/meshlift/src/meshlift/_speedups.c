@@ -8,24 +8,23 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+/* Whether the call has one argument per name, each named one a tuple (names[k] NULL:
+ * any object); else -1 with a TypeError naming the function and the argument. */
 static int
-check_args(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
+check_args(const char *function, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
+           const char *const *names)
 {
     if (nargs != expected) {
-        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected,
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", function, expected,
                      nargs);
         return -1;
     }
-    return 0;
-}
-
-static int
-check_tuple(const char *name, const char *what, PyObject *obj)
-{
-    if (!PyTuple_CheckExact(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s(): %s must be a tuple, not %.200s", name, what,
-                     Py_TYPE(obj)->tp_name);
-        return -1;
+    for (Py_ssize_t k = 0; k < expected; k++) {
+        if (names[k] != NULL && !PyTuple_CheckExact(args[k])) {
+            PyErr_Format(PyExc_TypeError, "%s(): %s must be a tuple, not %.200s", function,
+                         names[k], Py_TYPE(args[k])->tp_name);
+            return -1;
+        }
     }
     return 0;
 }
@@ -45,7 +44,8 @@ getter_of(PyObject *descriptor)
 static PyObject *
 read_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args("read_each", nargs, 2) < 0 || check_tuple("read_each", "objects", args[1]) < 0) {
+    static const char *const names[] = {NULL, "objects"};
+    if (check_args("read_each", args, nargs, 2, names) < 0) {
         return NULL;
     }
     PyObject *descriptor = args[0], *objects = args[1];
@@ -74,9 +74,8 @@ read_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 read_each_is(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args("read_each_is", nargs, 3) < 0 ||
-        check_tuple("read_each_is", "objects", args[1]) < 0 ||
-        check_tuple("read_each_is", "expected", args[2]) < 0) {
+    static const char *const names[] = {NULL, "objects", "expected"};
+    if (check_args("read_each_is", args, nargs, 3, names) < 0) {
         return NULL;
     }
     PyObject *descriptor = args[0], *objects = args[1], *expected = args[2];
@@ -107,9 +106,8 @@ read_each_is(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 write_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args("write_each", nargs, 3) < 0 ||
-        check_tuple("write_each", "objects", args[1]) < 0 ||
-        check_tuple("write_each", "values", args[2]) < 0) {
+    static const char *const names[] = {NULL, "objects", "values"};
+    if (check_args("write_each", args, nargs, 3, names) < 0) {
         return NULL;
     }
     PyObject *descriptor = args[0], *objects = args[1], *values = args[2];
@@ -139,14 +137,9 @@ write_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 same_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_args("same_items", nargs, 4) < 0) {
+    static const char *const names[] = {"dicts", "sizes", "keys", "values"};
+    if (check_args("same_items", args, nargs, 4, names) < 0) {
         return NULL;
-    }
-    for (int k = 0; k < 4; k++) {
-        static const char *what[] = {"dicts", "sizes", "keys", "values"};
-        if (check_tuple("same_items", what[k], args[k]) < 0) {
-            return NULL;
-        }
     }
     PyObject *dicts = args[0], *sizes = args[1], *keys = args[2], *values = args[3];
     Py_ssize_t n = PyTuple_GET_SIZE(dicts), total = PyTuple_GET_SIZE(keys);
