@@ -9,6 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift import speedups
+from meshlift.lift import Lifted
 
 
 class RecordingBackend:
@@ -210,7 +212,7 @@ def test_argument_flattening_matches_jax_tree_flatten():
     jax.jit(lambda x: check((model, x), {}) or x)(x)  # a tracer among the arguments
 
 
-def test_each_call_runs_on_its_own_arguments_as_eager_does():
+def test_each_call_runs_on_its_own_arguments_as_eager_does(plan_steps):
     # A call with the same argument types, nodes and mesh as the last skips the lookup:
     # every other sequence of calls must still find its own layout.
     import gc
@@ -244,3 +246,132 @@ def test_each_call_runs_on_its_own_arguments_as_eager_does():
         out = lifted(first, x)
     np.testing.assert_allclose(out, forward(first, x), rtol=1e-6)
     assert out.sharding.mesh.shape == mesh.shape
+
+
+# -- repeated calls: the plan ----------------------------------------------------------
+
+
+@pytest.fixture(params=["C", "Python"])
+def plan_steps(request, monkeypatch):
+    """A repeated call's steps in C, and with the Python twins (installed without a compiler)."""
+    if request.param == "Python":
+        for name in ("read_each", "read_each_is", "write_each", "plan_inputs", "plan_write"):
+            monkeypatch.setattr(speedups, name, getattr(speedups, f"_{name}"))
+    return request.param
+
+
+class Counter(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.arange(8.0))
+        self.count = nnx.BatchStat(jnp.array(0))
+        self.scale = 2.0
+
+
+def update(model, x):
+    model.w[...] = model.w[...] * model.scale + x
+    model.count[...] += 1
+    return model.w[...].sum()
+
+
+def count_lookups(monkeypatch):
+    """How many calls took the general path (a layout lookup) so far."""
+    lookups = [0]
+    general = Lifted._layout
+
+    def counted(self, *args, **kwargs):
+        lookups[0] += 1
+        return general(self, *args, **kwargs)
+
+    monkeypatch.setattr(Lifted, "_layout", counted)
+    return lookups
+
+
+def same_as_eager(lifted, model, twin, x):
+    """Call `lifted` on `model` and the plain function on `twin`: the same output and state."""
+    np.testing.assert_allclose(lifted(model, x), update(twin, x), rtol=1e-6)
+    np.testing.assert_allclose(model.w[...], twin.w[...], rtol=1e-6)
+    assert int(model.count[...]) == int(twin.count[...])
+
+
+def test_repeated_calls_run_on_their_plan(plan_steps, monkeypatch):
+    lookups = count_lookups(monkeypatch)
+    lifted, model, twin = ml.jit(update), Counter(), Counter()
+    for _ in range(4):
+        same_as_eager(lifted, model, twin, jnp.float32(1))
+    assert lookups[0] == 1  # only the first call looked its layout up
+    assert lifted._plan is not None
+
+
+def test_repeated_calls_follow_every_change_as_eager_does(plan_steps, monkeypatch):
+    lookups = count_lookups(monkeypatch)
+    lifted, model, twin = ml.jit(update), Counter(), Counter()
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    changes = [
+        lambda m: None,
+        lambda m: None,  # the plan
+        lambda m: m.w.set_value(jnp.ones(8)),  # a new array: data, the same plan
+        lambda m: setattr(m, "scale", 3.0),  # configuration changed in place: retraced
+        lambda m: setattr(m, "w", nnx.Param(jnp.full(8, 2.0))),  # a new Variable
+        lambda m: m.w.set_value(jnp.ones(4)),  # another shape: retraced on the plan
+        lambda m: setattr(m, "extra", nnx.Param(jnp.zeros(2))),  # a new attribute
+        lambda m: None,
+    ]
+    for change in changes:
+        change(model)
+        change(twin)
+        same_as_eager(lifted, model, twin, jnp.float32(0.5))
+        same_as_eager(lifted, model, twin, jnp.ones((), jnp.float32))
+    assert lookups[0] == 4  # the first call and the three structure changes
+    with ml.use_mesh(mesh):  # another mesh: its own layout
+        same_as_eager(lifted, model, twin, jnp.float32(1))
+        assert model.w[...].sharding.mesh.shape == mesh.shape
+    same_as_eager(lifted, model, twin, jnp.float32(1))  # and back: looked up again
+    assert lookups[0] == 6
+    x = jnp.ones((2,), jnp.float32)  # another argument shape
+    with pytest.raises(TypeError, match="incompatible shapes"):
+        update(twin, x)  # 4 and 2 do not broadcast: eager refuses, and so does the lifted call
+    before = np.asarray(model.w[...])
+    with pytest.raises(TypeError, match="incompatible shapes"):
+        lifted(model, x)
+    np.testing.assert_array_equal(model.w[...], before)
+    same_as_eager(lifted, model, twin, jnp.float32(1))
+
+
+def test_a_retrace_on_the_plan_that_returns_the_module_gives_the_module(plan_steps):
+    def step(model, x):
+        model.count[...] += 1
+        return (model, x) if x.ndim else x
+
+    lifted, model = ml.jit(step), Counter()
+    lifted(model, jnp.float32(1))
+    lifted(model, jnp.float32(1))  # the plan
+    out, x = lifted(model, jnp.ones(2))  # retraced: the output holds the module now
+    assert out is model
+    assert int(model.count[...]) == 3
+    np.testing.assert_array_equal(x, jnp.ones(2))
+
+
+def test_a_repeated_call_under_an_outer_jit_writes_no_tracer(plan_steps):
+    lifted, model = ml.jit(lambda m: update(m, jnp.float32(1))), Counter()
+    lifted(model)
+    lifted(model)  # the plan
+    before = np.asarray(model.w[...])
+    with pytest.raises(ml.TraceLeakError, match=r"m\.(w|count)"):
+        jax.jit(lambda: lifted(model))()
+    assert not isinstance(model.w.get_raw_value(), jax.core.Tracer)
+    np.testing.assert_array_equal(model.w[...], before)
+    assert int(model.count[...]) == 2
+    lifted(model)  # and the plan still runs
+    assert int(model.count[...]) == 3
+
+
+def test_a_variable_moved_off_its_sharding_is_moved_back_on_a_repeated_call(plan_steps):
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    plan = ml.StateSharding({ml.path_endswith("w"): P("model"), ...: P()})
+    lifted = ml.jit(update, mesh=mesh, in_shardings=(plan, P()))
+    model, twin = Counter(), Counter()
+    same_as_eager(lifted, model, twin, jnp.float32(1))
+    same_as_eager(lifted, model, twin, jnp.float32(1))
+    model.w.set_value(jax.device_put(model.w[...], NamedSharding(mesh, P("data"))))
+    same_as_eager(lifted, model, twin, jnp.float32(1))
+    assert model.w[...].sharding.spec == P("model")

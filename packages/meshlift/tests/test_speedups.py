@@ -7,6 +7,8 @@ what users get.
 
 import collections
 import inspect
+import types
+import weakref
 
 import jax.numpy as jnp
 import pytest
@@ -21,7 +23,14 @@ TWINS = {
         (),
         {
             name: staticmethod(getattr(speedups, f"_{name}"))
-            for name in ("read_each", "read_each_is", "write_each", "same_items")
+            for name in (
+                "read_each",
+                "read_each_is",
+                "write_each",
+                "same_items",
+                "plan_inputs",
+                "plan_write",
+            )
         },
     ),
 }
@@ -151,3 +160,121 @@ def test_c_loops_take_tuples_only():
         _speedups.read_each(SLOT, [Box(1)])
     with pytest.raises(TypeError, match=r"expected dicts, got .*OrderedDict"):
         _speedups.same_items((collections.OrderedDict(a=1),), (1,), ("a",), (1,))
+
+
+# -- a repeated call's plan ----------------------------------------------------------
+
+
+class Node:
+    """A graph node stand-in: anything a weak reference can point to."""
+
+
+class Plan:
+    """A CallPlan over two boxes (the Variables), a node argument and a float argument."""
+
+    def __init__(self, **fields):
+        self.node, self.boxes, self.info = Node(), (Box(1.0), Box(2.0)), object()
+        self.mesh = object()
+        defaults = dict(
+            mesh_source=lambda: self.mesh,
+            mesh=self.mesh,
+            types=(Node, float),
+            node_positions=(0,),
+            node_refs=(weakref.ref(self.node),),
+            unchanged=lambda: True,
+            slot=SLOT,
+            variables=self.boxes,
+            dyn_positions=(1,),
+            info=self.info,
+            changed=(1,),
+            targets=(self.boxes[1],),
+            array_type=float,
+            staged=None,
+            layout=None,
+        )
+        self.plan = speedups.CallPlan(**(defaults | fields))
+
+    def outputs(self, *new, info=None):
+        aux = types.SimpleNamespace(info=self.info if info is None else info)
+        return (tuple(new), (), "user output", aux)
+
+
+def test_plan_inputs_of_a_matching_call(impl):
+    p = Plan()
+    assert impl.plan_inputs(p.plan, (p.node, 0.5)) == ((1.0, 2.0), (0.5,), (), ())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "another mesh",
+        "mesh refused",
+        "fewer arguments",
+        "another type",
+        "another node",
+        "collected node",
+        "structure changed",
+    ],
+)
+def test_plan_inputs_miss(impl, change):
+    p = Plan()
+    args = (p.node, 0.5)
+    if change == "another mesh":
+        p.mesh = object()
+    elif change == "mesh refused":
+        p.plan = p.plan._replace(mesh_source=lambda: 1 / 0)
+    elif change == "fewer arguments":
+        args = (p.node,)
+    elif change == "another type":
+        args = (p.node, 1)
+    elif change == "another node":
+        args = (Node(), 0.5)
+    elif change == "collected node":
+        p.plan = p.plan._replace(node_refs=(weakref.ref(Node()),))
+    else:
+        p.plan = p.plan._replace(unchanged=lambda: False)
+    assert impl.plan_inputs(p.plan, args) is None
+
+
+def test_plan_inputs_lets_errors_that_are_no_exception_through(impl):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    p = Plan(mesh_source=interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        impl.plan_inputs(p.plan, (p.node, 0.5))
+
+
+def test_plan_inputs_without_a_mesh_source_reads_no_mesh(impl):
+    p = Plan(mesh_source=None, mesh=None)
+    assert impl.plan_inputs(p.plan, (p.node, 0.5))[0] == (1.0, 2.0)
+
+
+def test_plan_write(impl):
+    p = Plan()
+    assert impl.plan_write(p.plan, p.outputs(None, 5.0)) is True
+    assert [box.item for box in p.boxes] == [1.0, 5.0]
+
+
+@pytest.mark.parametrize("change", ["another trace", "not an array", "no aux", "short output"])
+def test_plan_write_refuses_and_writes_nothing(impl, change):
+    p = Plan(changed=(0, 1))
+    p.plan = p.plan._replace(targets=p.boxes)
+    outputs = {
+        "another trace": p.outputs(7.0, 8.0, info=object()),
+        "not an array": p.outputs(7.0, [8.0]),  # a container changed in place, or a tracer
+        "no aux": (p.outputs(7.0, 8.0)[0], (), "user output", None),
+        "short output": p.outputs(7.0),
+    }[change]
+    assert impl.plan_write(p.plan, outputs) is False
+    assert [box.item for box in p.boxes] == [1.0, 2.0]
+
+
+def test_plan_c_steps_check_the_plan():
+    with pytest.raises(TypeError, match="expected a CallPlan, got list"):
+        _speedups.plan_inputs([], ())
+    p = Plan()
+    with pytest.raises(TypeError, match="args must be a tuple, not list"):
+        _speedups.plan_inputs(p.plan, [p.node, 0.5])
+    with pytest.raises(TypeError, match="CallPlan field 2 must be a tuple"):
+        _speedups.plan_write(p.plan._replace(types=[Node, float]), p.outputs(None, 1.0))

@@ -1,4 +1,5 @@
-/* meshlift._speedups: the per-call loops over Variables and attribute dicts, in C.
+/* meshlift._speedups: the per-call loops over Variables and attribute dicts, in C,
+ * and a repeated call's two steps around its staged function (plan_inputs, plan_write).
  *
  * Each function has a pure-Python twin in meshlift/speedups.py, with the same
  * results; that module picks this one when it was built. Every loop runs over
@@ -40,15 +41,10 @@ getter_of(PyObject *descriptor)
     return get;
 }
 
-/* read_each(descriptor, objects) -> tuple(descriptor.__get__(o) for o in objects) */
+/* tuple(descriptor.__get__(o) for o in objects); objects: a tuple */
 static PyObject *
-read_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+read_all(PyObject *descriptor, PyObject *objects)
 {
-    static const char *const names[] = {NULL, "objects"};
-    if (check_args("read_each", args, nargs, 2, names) < 0) {
-        return NULL;
-    }
-    PyObject *descriptor = args[0], *objects = args[1];
     descrgetfunc get = getter_of(descriptor);
     if (get == NULL) {
         return NULL;
@@ -68,6 +64,17 @@ read_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyTuple_SET_ITEM(out, i, value);
     }
     return out;
+}
+
+/* read_each(descriptor, objects) -> tuple(descriptor.__get__(o) for o in objects) */
+static PyObject *
+read_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {NULL, "objects"};
+    if (check_args("read_each", args, nargs, 2, names) < 0) {
+        return NULL;
+    }
+    return read_all(args[0], args[1]);
 }
 
 /* read_each_is(descriptor, objects, expected) -> all(descriptor.__get__(o) is e ...) */
@@ -102,6 +109,31 @@ read_each_is(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* descriptor.__set__(o, v) for each pair, nothing written unless the lengths are equal;
+ * objects and values: tuples. 0, or -1 with an error set. */
+static int
+write_all(const char *function, PyObject *descriptor, PyObject *objects, PyObject *values)
+{
+    descrsetfunc set = Py_TYPE(descriptor)->tp_descr_set;
+    if (set == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s(): expected a data descriptor, got %.200s", function,
+                     Py_TYPE(descriptor)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(objects);
+    if (PyTuple_GET_SIZE(values) != n) {
+        PyErr_Format(PyExc_ValueError, "%s(): %zd objects but %zd values", function, n,
+                     PyTuple_GET_SIZE(values));
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (set(descriptor, PyTuple_GET_ITEM(objects, i), PyTuple_GET_ITEM(values, i)) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* write_each(descriptor, objects, values): descriptor.__set__(o, v) for each pair */
 static PyObject *
 write_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -110,23 +142,8 @@ write_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (check_args("write_each", args, nargs, 3, names) < 0) {
         return NULL;
     }
-    PyObject *descriptor = args[0], *objects = args[1], *values = args[2];
-    descrsetfunc set = Py_TYPE(descriptor)->tp_descr_set;
-    if (set == NULL) {
-        PyErr_Format(PyExc_TypeError, "write_each(): expected a data descriptor, got %.200s",
-                     Py_TYPE(descriptor)->tp_name);
+    if (write_all("write_each", args[0], args[1], args[2]) < 0) {
         return NULL;
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(objects);
-    if (PyTuple_GET_SIZE(values) != n) {
-        PyErr_Format(PyExc_ValueError, "write_each(): %zd objects but %zd values", n,
-                     PyTuple_GET_SIZE(values));
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (set(descriptor, PyTuple_GET_ITEM(objects, i), PyTuple_GET_ITEM(values, i)) < 0) {
-            return NULL;
-        }
     }
     Py_RETURN_NONE;
 }
@@ -185,6 +202,228 @@ same_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* The fields of a CallPlan (meshlift/speedups.py), by position. */
+enum {
+    MESH_SOURCE,
+    MESH,
+    TYPES,
+    NODE_POSITIONS,
+    NODE_REFS,
+    UNCHANGED,
+    SLOT,
+    VARIABLES,
+    DYN_POSITIONS,
+    INFO,
+    CHANGED,
+    TARGETS,
+    ARRAY_TYPE,
+    PLAN_FIELDS,
+};
+
+static const int plan_tuples[] = {TYPES, NODE_POSITIONS, NODE_REFS, VARIABLES, DYN_POSITIONS,
+                                  CHANGED, TARGETS};
+
+/* The plan (borrowed) if `args` are a CallPlan and one more object; else NULL, TypeError set. */
+static PyObject *
+plan_of(const char *function, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {NULL, NULL};
+    if (check_args(function, args, nargs, 2, names) < 0) {
+        return NULL;
+    }
+    PyObject *plan = args[0];
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) < PLAN_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "%s(): expected a CallPlan, got %.200s", function,
+                     Py_TYPE(plan)->tp_name);
+        return NULL;
+    }
+    for (size_t k = 0; k < sizeof(plan_tuples) / sizeof(plan_tuples[0]); k++) {
+        if (!PyTuple_CheckExact(PyTuple_GET_ITEM(plan, plan_tuples[k]))) {
+            PyErr_Format(PyExc_TypeError, "%s(): CallPlan field %d must be a tuple", function,
+                         plan_tuples[k]);
+            return NULL;
+        }
+    }
+    return plan;
+}
+
+/* The item of `tuple` at the int `index`, borrowed; NULL, with no error set, if out of
+ * range; NULL with an error if `index` is no int. */
+static PyObject *
+item_at(PyObject *tuple, PyObject *index)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return 0 <= i && i < PyTuple_GET_SIZE(tuple) ? PyTuple_GET_ITEM(tuple, i) : NULL;
+}
+
+/* 1 if the weak reference `ref` refers to `obj`, 0 if not (or dead), -1 on error. */
+static int
+refers_to(PyObject *ref, PyObject *obj)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *referent;
+    if (PyWeakref_GetRef(ref, &referent) < 0) {
+        return -1;
+    }
+    Py_XDECREF(referent);
+    return referent == obj;
+#else
+    PyObject *referent = PyWeakref_GetObject(ref);
+    return referent == NULL ? -1 : referent == obj;
+#endif
+}
+
+/* plan_inputs(plan, args) -> the staged function's four inputs, or None if `args`
+ * do not match the plan. */
+static PyObject *
+plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *plan = plan_of("plan_inputs", args, nargs);
+    if (plan == NULL) {
+        return NULL;
+    }
+    PyObject *call_args = args[1];
+    if (!PyTuple_CheckExact(call_args)) {
+        PyErr_Format(PyExc_TypeError, "plan_inputs(): args must be a tuple, not %.200s",
+                     Py_TYPE(call_args)->tp_name);
+        return NULL;
+    }
+    PyObject *source = PyTuple_GET_ITEM(plan, MESH_SOURCE);
+    if (source != Py_None) {
+        PyObject *mesh = PyObject_CallNoArgs(source);
+        if (mesh == NULL) {  /* the general path asks again, and names the error if it recurs */
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                return NULL;
+            }
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        int same = mesh == PyTuple_GET_ITEM(plan, MESH);
+        Py_DECREF(mesh);
+        if (!same) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *types = PyTuple_GET_ITEM(plan, TYPES);
+    Py_ssize_t n = PyTuple_GET_SIZE(call_args);
+    if (PyTuple_GET_SIZE(types) != n) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(call_args, i)) != PyTuple_GET_ITEM(types, i)) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *positions = PyTuple_GET_ITEM(plan, NODE_POSITIONS);
+    PyObject *refs = PyTuple_GET_ITEM(plan, NODE_REFS);
+    if (PyTuple_GET_SIZE(refs) != PyTuple_GET_SIZE(positions)) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(positions); k++) {
+        PyObject *node = item_at(call_args, PyTuple_GET_ITEM(positions, k));
+        if (node == NULL) {
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        }
+        int same = refers_to(PyTuple_GET_ITEM(refs, k), node);
+        if (same <= 0) {
+            return same < 0 ? NULL : Py_NewRef(Py_None);
+        }
+    }
+    PyObject *verdict = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, UNCHANGED));
+    if (verdict == NULL) {
+        return NULL;
+    }
+    int unchanged = PyObject_IsTrue(verdict);
+    Py_DECREF(verdict);
+    if (unchanged <= 0) {
+        return unchanged < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject *dyn_positions = PyTuple_GET_ITEM(plan, DYN_POSITIONS);
+    Py_ssize_t m = PyTuple_GET_SIZE(dyn_positions);
+    PyObject *dyn = PyTuple_New(m);
+    if (dyn == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < m; k++) {
+        PyObject *leaf = item_at(call_args, PyTuple_GET_ITEM(dyn_positions, k));
+        if (leaf == NULL) {
+            Py_DECREF(dyn);
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        }
+        PyTuple_SET_ITEM(dyn, k, Py_NewRef(leaf));
+    }
+    PyObject *values = read_all(PyTuple_GET_ITEM(plan, SLOT), PyTuple_GET_ITEM(plan, VARIABLES));
+    if (values == NULL) {
+        Py_DECREF(dyn);
+        return NULL;
+    }
+    PyObject *empty = PyTuple_New(0);
+    PyObject *inputs = empty == NULL ? NULL : PyTuple_Pack(4, values, dyn, empty, empty);
+    Py_XDECREF(empty);
+    Py_DECREF(values);
+    Py_DECREF(dyn);
+    return inputs;
+}
+
+/* plan_write(plan, outputs) -> True once the staged outputs are written back as the plan
+ * says; False, writing nothing, if they do not carry its trace info or a value to write
+ * is not of its array type (a tracer, say). */
+static PyObject *
+plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *info_name = NULL;
+    PyObject *plan = plan_of("plan_write", args, nargs);
+    if (plan == NULL) {
+        return NULL;
+    }
+    PyObject *outputs = args[1];
+    if (!PyTuple_CheckExact(outputs) || PyTuple_GET_SIZE(outputs) != 4) {
+        Py_RETURN_FALSE;
+    }
+    if (info_name == NULL && (info_name = PyUnicode_InternFromString("info")) == NULL) {
+        return NULL;
+    }
+    PyObject *info = PyObject_GetAttr(PyTuple_GET_ITEM(outputs, 3), info_name);
+    if (info == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    int same = info == PyTuple_GET_ITEM(plan, INFO);
+    Py_DECREF(info);
+    PyObject *var_out = PyTuple_GET_ITEM(outputs, 0);
+    if (!same || !PyTuple_CheckExact(var_out)) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *changed = PyTuple_GET_ITEM(plan, CHANGED);
+    PyObject *array_type = PyTuple_GET_ITEM(plan, ARRAY_TYPE);
+    Py_ssize_t k = PyTuple_GET_SIZE(changed);
+    PyObject *new = PyTuple_New(k);
+    if (new == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *value = item_at(var_out, PyTuple_GET_ITEM(changed, j));
+        if (value == NULL || (PyObject *)Py_TYPE(value) != array_type) {
+            Py_DECREF(new);
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+        }
+        PyTuple_SET_ITEM(new, j, Py_NewRef(value));
+    }
+    int written = write_all("plan_write", PyTuple_GET_ITEM(plan, SLOT),
+                            PyTuple_GET_ITEM(plan, TARGETS), new);
+    Py_DECREF(new);
+    if (written < 0) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"read_each", (PyCFunction)(void (*)(void))read_each, METH_FASTCALL,
      "read_each(descriptor, objects) -> tuple of descriptor.__get__(o)"},
@@ -194,13 +433,17 @@ static PyMethodDef methods[] = {
      "write_each(descriptor, objects, values): descriptor.__set__(o, v) for each pair"},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(dicts, sizes, keys, values) -> whether the dicts hold these items"},
+    {"plan_inputs", (PyCFunction)(void (*)(void))plan_inputs, METH_FASTCALL,
+     "plan_inputs(plan, args) -> the staged inputs of a call matching a CallPlan, or None"},
+    {"plan_write", (PyCFunction)(void (*)(void))plan_write, METH_FASTCALL,
+     "plan_write(plan, outputs) -> whether the staged outputs were written back"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "meshlift._speedups",
-    .m_doc = "The per-call loops of meshlift.speedups, in C.",
+    .m_doc = "The per-call loops and repeated-call steps of meshlift.speedups, in C.",
     .m_size = 0,
     .m_methods = methods,
 };

@@ -1,5 +1,7 @@
 from typing import Any
 
+from meshlift.speedups import CallPlan
+
 def read_each(descriptor: Any, objects: tuple[Any, ...], /) -> tuple[Any, ...]: ...
 def read_each_is(
     descriptor: Any, objects: tuple[Any, ...], expected: tuple[Any, ...], /
@@ -12,3 +14,5 @@ def same_items(
     values: tuple[Any, ...],
     /,
 ) -> bool: ...
+def plan_inputs(plan: CallPlan, args: tuple[Any, ...], /) -> tuple[tuple[Any, ...], ...] | None: ...
+def plan_write(plan: CallPlan, outputs: Any, /) -> bool: ...

@@ -96,19 +96,30 @@ def _trace_state_clean() -> Callable[[], bool]:
 def concrete_mesh() -> Any:
     """The mesh of `jax.set_mesh` / `ml.use_mesh`, also inside traces; None if unset."""
     try:
-        mesh = _mesh_reader()()
+        mesh = mesh_reader()()
     except Exception:  # the public reader refuses inside traces on jax 0.10
         return None
     return None if mesh is None or getattr(mesh, "empty", True) else mesh
 
 
 @functools.cache
-def _mesh_reader() -> Callable[[], Any]:
+def mesh_reader() -> Callable[[], Any]:
+    """jax's reader of the `jax.set_mesh` mesh (it may raise inside traces, or give an empty mesh)."""
     try:
         from jax._src.mesh import get_concrete_mesh
     except ImportError:
         return jax.sharding.get_mesh
     return get_concrete_mesh
+
+
+@functools.cache
+def array_type() -> type | None:
+    """The type of every concrete `jax.Array` (never a tracer's); None if this jax hides it."""
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:
+        return None
+    return ArrayImpl if isinstance(ArrayImpl, type) else None
 
 
 def legacy_mesh() -> Any:

@@ -182,6 +182,14 @@ class GraphSplit:
             self._last_positions = None
             self._watcher.snapshot()
 
+    def slot_access(self, positions: tuple[int, ...]) -> tuple[Any, tuple, tuple] | None:
+        """`(slot, leaves, targets)` where `gather` reads `slot` of each leaf and writing
+        `positions` sets it on each of `targets`: None if some leaf needs flax's API (or
+        is an array stored on a module)."""
+        if self._slot is None:
+            return None
+        return self._slot, self.leaves, self._targets(positions)
+
     def _targets(self, positions: Sequence[int]) -> tuple[Any, ...]:
         """The leaves at `positions`; kept for the next call, which passes the same positions."""
         if positions is not self._last_positions:

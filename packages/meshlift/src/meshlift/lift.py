@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, Sharding
 
-from meshlift import compat, resolve
+from meshlift import compat, resolve, speedups
 from meshlift.arguments import Signature, insert_statics, named_statics
 from meshlift.backend import Backend, StageSpec
 from meshlift.graph import (
@@ -130,6 +130,7 @@ class Lifted(Generic[Params, Result]):
         )
         self._layouts = _LayoutCache()
         self._last: _Repeat | None = None  # the last call, if the next may skip the lookup
+        self._plan: speedups.CallPlan | None = None  # the last call's, if the next may repeat it
         self._passed: dict[Any, tuple[int, ...]] = {}  # treedef -> leaves passed through
         self._staged = _shared_stages(fun, self._options_key())
 
@@ -146,8 +147,72 @@ class Lifted(Generic[Params, Result]):
         return self if obj is None else _BoundLifted(self, obj)
 
     def __call__(self, *args: Params.args, **kwargs: Params.kwargs) -> Result:
+        plan = self._plan
+        if plan is not None and not kwargs:
+            inputs = speedups.plan_inputs(plan, args)
+            if inputs is not None:
+                return self._run_planned(plan, args, inputs)
         layout, call = self._layout(args, kwargs)
-        return layout.run(layout.staged, call)
+        result = layout.run(layout.staged, call)
+        self._plan = self._plan_after(layout)
+        return result
+
+    def _run_planned(self, plan: speedups.CallPlan, args: tuple, inputs: tuple) -> Any:
+        """A call that `plan` matched: its inputs read, its outputs written back, each in
+        one step; an error, a retrace or a value that is no array goes the general way."""
+        layout = plan.layout
+        try:
+            outputs = plan.staged(*inputs)
+        except Exception as error:
+            call = _Call.of_arguments(args, plan.node_positions)
+            return layout.recover(error, plan.staged, inputs[0], None, call)
+        if speedups.plan_write(plan, outputs):
+            return outputs[2]
+        call = _Call.of_arguments(args, plan.node_positions)
+        result = layout.finish(outputs, inputs[0], None, call)
+        self._plan = self._plan_after(layout)
+        return result
+
+    def _plan_after(self, layout: _Layout) -> speedups.CallPlan | None:
+        """The plan for calls like the last one, which ran `layout`: None unless that call
+        took the repeat shortcut's conditions and wrote only Variables' arrays back."""
+        last, info, split = self._last, layout.info, layout.split
+        if last is None or last.layout is not layout or layout.donated or info is None:
+            return None
+        if info.update is not None or info.outputs.graphdefs or info.container is not None:
+            return None
+        access, array_type = split.slot_access(info.changed), compat.array_type()
+        if access is None or array_type is None:
+            return None
+        mesh_source: Callable[[], Any] | None
+        if self.mesh is None:  # the call site's mesh, as jax's reader gives it
+            mesh_source = compat.mesh_reader()
+            try:
+                mesh = mesh_source()
+            except Exception:  # refused inside a trace
+                return None
+        elif isinstance(self.mesh, Mesh | AbstractMesh):
+            mesh_source, mesh = None, last.mesh
+        else:
+            mesh_source, mesh = self.mesh, last.mesh
+        slot, variables, targets = access
+        return speedups.CallPlan(
+            mesh_source,
+            mesh,
+            last.types,
+            last.positions,
+            last.refs,
+            split.unchanged,
+            slot,
+            variables,
+            tuple(i for i in range(len(last.types)) if i not in last.positions),
+            info,
+            info.changed,
+            targets,
+            array_type,
+            layout.staged,
+            layout,
+        )
 
     def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back."""
@@ -209,7 +274,7 @@ class Lifted(Generic[Params, Result]):
         mesh = self._call_site_mesh() if mesh is None else mesh
         last = self._last
         if last is not None and not kwargs and last.mesh is mesh and last.matches(args):
-            call = _Call(list(args), tuple(map(args.__getitem__, last.positions)))
+            call = _Call.of_arguments(args, last.positions)
             if last.layout.split.unchanged():
                 return last.layout, call
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
@@ -284,6 +349,11 @@ class _Call:
 
     def __init__(self, leaves: list[Any], nodes: tuple[Any, ...]):
         self.leaves, self.nodes = leaves, nodes
+
+    @classmethod
+    def of_arguments(cls, args: tuple, positions: tuple[int, ...]) -> _Call:
+        """The call of arguments that are all leaves, graph nodes at `positions`."""
+        return cls(list(args), tuple(map(args.__getitem__, positions)))
 
 
 class _Repeat:
@@ -382,6 +452,8 @@ class _TraceInfo:
 @jax.tree_util.register_pytree_node_class
 class _Aux:
     """A childless output node carrying a _TraceInfo through jax's output treedef."""
+
+    __slots__ = ("info",)
 
     def __init__(self, info: _TraceInfo):
         self.info = info
@@ -534,6 +606,7 @@ class _Layout:
         else:
             self.staged = lifted._staged[key]
         self.placed = False
+        self.info: _TraceInfo | None = None  # what the last successful call's trace found
 
     def _check_hashable(self, passed: tuple[tuple[int, Any], ...]) -> None:
         for i, value in passed:
@@ -570,9 +643,7 @@ class _Layout:
         """Call `staged`; then, all or nothing, write back and rebuild graph nodes in the output.
 
         The first call of a layout also places Variables onto the plan, once it
-        has succeeded. A Variable given an array on another sharding since (JAX
-        refuses those) is moved back to the plan's and the call is made again;
-        any other argument JAX refuses is named in the error, never moved.
+        has succeeded.
         """
         values = self.split.gather()
         placed = None if self.placed else _onto(values, self.var_shardings)
@@ -580,25 +651,49 @@ class _Layout:
         if self.donated:
             self._refuse_shared_donation(inputs)
         try:
-            try:
-                outputs = staged(*inputs)
-            except ValueError:
-                self._refuse_misplaced_leaves(call)
-                moved = _onto(placed or values, self.var_shardings)
-                if moved is None:
-                    raise
-                placed = moved
-                outputs = staged(*self.inputs(placed, call))
+            outputs = staged(*inputs)
         except Exception as error:
-            self.rename_staged(error)
+            return self.recover(error, staged, values, placed, call)
+        return self.finish(outputs, values, placed, call)
+
+    def recover(
+        self,
+        error: Exception,
+        staged: Any,
+        values: Sequence[Any],
+        placed: Sequence[Any] | None,
+        call: _Call,
+    ) -> Any:
+        """`staged` raised `error` on `values` (or `placed`): the output of the call made
+        again if a Variable was given an array on another sharding since (JAX refuses
+        those; it is moved back to the plan's), else `error` raised with the caller's
+        names. Any other argument JAX refuses is named in the error, never moved."""
+        try:
+            if not isinstance(error, ValueError):
+                raise error
+            self._refuse_misplaced_leaves(call)
+            moved = _onto(placed or values, self.var_shardings)
+            if moved is None:
+                raise error
+            outputs = staged(*self.inputs(moved, call))
+        except Exception as final:
+            self.rename_staged(final)
             if self.donated:
-                self._note_consumed(error, values)
-            self._name_indivisible(error, call)
+                self._note_consumed(final, values)
+            self._name_indivisible(final, call)
             raise
+        return self.finish(outputs, values, moved, call)
+
+    def finish(
+        self, outputs: Any, values: Sequence[Any], placed: Sequence[Any] | None, call: _Call
+    ) -> Any:
+        """Write the staged `outputs` back (the arguments held `values`, `placed` if moved
+        onto the plan) and give the caller's output."""
         var_out, extra, user_out, aux = outputs
         info = aux.info
         index_map = self._write_back(info, values, placed, var_out, extra, call)
         self.placed = True
+        self.info = info
         return info.decode(user_out, index_map)
 
     def _refuse_shared_donation(self, inputs: tuple[tuple[Any, ...], ...]) -> None:

@@ -4,9 +4,12 @@ A lifted call reads every Variable's array, checks that each still holds its
 metadata dict and that no attribute dict changed, and writes results back.
 In Python each step costs 30-80 ns per object, most of it the attribute
 lookup through flax's `Variable.__getattr__` hook; `meshlift._speedups`
-calls the slot's descriptor directly, in one C loop per step. Where the
-extension was not built (no C compiler at install time), the pure-Python
-twins below give the same results. `COMPILED` says which is in use.
+calls the slot's descriptor directly, in one C loop per step. A repeated
+call runs on a `CallPlan`: `plan_inputs` checks the arguments and reads the
+staged function's inputs, `plan_write` writes its outputs back, each in one
+C call. Where the extension was not built (no C compiler at install time),
+the pure-Python twins below give the same results. `COMPILED` says which
+is in use.
 
 Example:
 
@@ -30,9 +33,9 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def _read_each(descriptor: Any, objects: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -70,15 +73,91 @@ def _same_items(
     return all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), values))
 
 
+class CallPlan(NamedTuple):
+    """What a repeated call of one lifted function needs, fixed after a call that succeeded.
+
+    A call matches when `mesh_source()` (if not None) returns `mesh`, its
+    arguments have `types`, the graph nodes at `node_positions` are the
+    referents of `node_refs`, and `unchanged()`. Its staged inputs are then the
+    `slot` of each of `variables` and the other arguments (`dyn_positions`).
+    Outputs carrying `info` write the Variable outputs at `changed` into
+    `targets`, when each is an `array_type`. The C functions read the fields
+    by position: keep the order.
+    """
+
+    mesh_source: Callable[[], Any] | None
+    mesh: Any
+    types: tuple[type, ...]
+    node_positions: tuple[int, ...]
+    node_refs: tuple[Callable[[], Any], ...]
+    unchanged: Callable[[], bool]
+    slot: Any
+    variables: tuple[Any, ...]
+    dyn_positions: tuple[int, ...]
+    info: Any
+    changed: tuple[int, ...]
+    targets: tuple[Any, ...]
+    array_type: type
+    staged: Callable[..., Any]  # read in Python only, from here on
+    layout: Any
+
+
+def _plan_inputs(plan: CallPlan, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...] | None:
+    """The staged function's four inputs for a call with `args` that matches `plan`, else None."""
+    if plan.mesh_source is not None:
+        try:
+            mesh = plan.mesh_source()
+        except Exception:  # the general path asks again, and names the error if it recurs
+            return None
+        if mesh is not plan.mesh:
+            return None
+    if len(args) != len(plan.types) or not all(map(operator.is_, map(type, args), plan.types)):
+        return None
+    for position, ref in zip(plan.node_positions, plan.node_refs, strict=True):
+        if args[position] is not ref():
+            return None
+    if not plan.unchanged():
+        return None
+    dyn = tuple(map(args.__getitem__, plan.dyn_positions))
+    return read_each(plan.slot, plan.variables), dyn, (), ()
+
+
+def _plan_write(plan: CallPlan, outputs: Any) -> bool:
+    """Write the staged `outputs` back as `plan` says; False, writing nothing, if they do
+    not carry its trace info or a value is not an `array_type` (a tracer, say)."""
+    if type(outputs) is not tuple or len(outputs) != 4:
+        return False
+    var_out, _, _, aux = outputs
+    if getattr(aux, "info", None) is not plan.info or type(var_out) is not tuple:
+        return False
+    try:
+        new = tuple(map(var_out.__getitem__, plan.changed))
+    except IndexError:
+        return False
+    if not all(type(value) is plan.array_type for value in new):
+        return False
+    write_each(plan.slot, plan.targets, new)
+    return True
+
+
 try:
-    from meshlift._speedups import read_each, read_each_is, same_items, write_each
+    from meshlift._speedups import (
+        plan_inputs,
+        plan_write,
+        read_each,
+        read_each_is,
+        same_items,
+        write_each,
+    )
 except ImportError:  # built without a C compiler: the twins above
     COMPILED = False
-    read_each, read_each_is, write_each, same_items = (
+    read_each, read_each_is, write_each, same_items, plan_inputs, plan_write = (
         _read_each,
         _read_each_is,
         _write_each,
         _same_items,
+        _plan_inputs,
+        _plan_write,
     )
 else:
     COMPILED = True
