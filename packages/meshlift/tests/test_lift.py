@@ -375,3 +375,23 @@ def test_a_variable_moved_off_its_sharding_is_moved_back_on_a_repeated_call(plan
     model.w.set_value(jax.device_put(model.w[...], NamedSharding(mesh, P("data"))))
     same_as_eager(lifted, model, twin, jnp.float32(1))
     assert model.w[...].sharding.spec == P("model")
+
+
+def test_a_donating_step_runs_on_its_plan_and_refuses_a_shared_array(plan_steps, monkeypatch):
+    lookups = count_lookups(monkeypatch)
+    lifted, model, twin = ml.jit(update, donate_argnums=0), Counter(), Counter()
+    model.extra, twin.extra = nnx.Param(jnp.zeros(8)), nnx.Param(jnp.zeros(8))
+    for _ in range(3):
+        old = model.w.get_raw_value()
+        same_as_eager(lifted, model, twin, jnp.float32(1))
+        assert old.is_deleted()  # donated, as under jax.jit
+    assert lookups[0] == 1
+    shared = model.w.get_raw_value()
+    model.extra.set_value(shared)  # a new value, no new structure: two Variables, one array
+    with pytest.raises(
+        ValueError, match=r"`model.extra` and `model.w` hold the same array, and it is donated"
+    ):
+        lifted(model, jnp.float32(1))
+    assert model.w.get_raw_value() is shared and not shared.is_deleted()
+    model.extra.set_value(jnp.zeros(8))
+    same_as_eager(lifted, model, twin, jnp.float32(1))

@@ -185,6 +185,8 @@ class Plan:
             slot=SLOT,
             variables=self.boxes,
             dyn_positions=(1,),
+            donated_variables=(),
+            donated_dyn_positions=(),
             info=self.info,
             changed=(1,),
             targets=(self.boxes[1],),
@@ -234,6 +236,32 @@ def test_plan_inputs_miss(impl, change):
     else:
         p.plan = p.plan._replace(unchanged=lambda: False)
     assert impl.plan_inputs(p.plan, args) is None
+
+
+def test_plan_inputs_of_a_donating_call(impl):
+    p = Plan(dyn_positions=(), donated_dyn_positions=(1,))
+    p.plan = p.plan._replace(variables=p.boxes[:1], donated_variables=p.boxes[1:])
+    assert impl.plan_inputs(p.plan, (p.node, 0.5)) == ((1.0,), (), (2.0,), (0.5,))
+
+
+@pytest.mark.parametrize("shared", ["donated twice", "donated and kept"])
+def test_plan_inputs_miss_when_a_donated_input_is_shared(impl, shared):
+    p = Plan()
+    if shared == "donated twice":  # two Variables hold one object
+        p.boxes[1].item = p.boxes[0].item
+        p.plan = p.plan._replace(variables=(), donated_variables=p.boxes)
+    else:  # an argument that a kept Variable holds too
+        p.boxes[0].item = 0.5
+        p.plan = p.plan._replace(dyn_positions=(), donated_dyn_positions=(1,))
+    assert impl.plan_inputs(p.plan, (p.node, p.boxes[0].item)) is None
+
+
+def test_donated_alone():
+    a, b = object(), object()
+    assert speedups.donated_alone(((a,), (), (b,), ()))
+    assert speedups.donated_alone(((), (), (), ()))
+    assert not speedups.donated_alone(((), (), (a,), (a,)))
+    assert not speedups.donated_alone(((), (a,), (a, b), ()))
 
 
 def test_plan_inputs_lets_errors_that_are_no_exception_through(impl):

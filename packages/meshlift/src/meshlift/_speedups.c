@@ -213,6 +213,8 @@ enum {
     SLOT,
     VARIABLES,
     DYN_POSITIONS,
+    DONATED_VARIABLES,
+    DONATED_DYN_POSITIONS,
     INFO,
     CHANGED,
     TARGETS,
@@ -220,8 +222,9 @@ enum {
     PLAN_FIELDS,
 };
 
-static const int plan_tuples[] = {TYPES, NODE_POSITIONS, NODE_REFS, VARIABLES, DYN_POSITIONS,
-                                  CHANGED, TARGETS};
+static const int plan_tuples[] = {TYPES,           NODE_POSITIONS, NODE_REFS,
+                                  VARIABLES,       DYN_POSITIONS,  DONATED_VARIABLES,
+                                  DONATED_DYN_POSITIONS, CHANGED,  TARGETS};
 
 /* The plan (borrowed) if `args` are a CallPlan and one more object; else NULL, TypeError set. */
 static PyObject *
@@ -274,6 +277,69 @@ refers_to(PyObject *ref, PyObject *obj)
     PyObject *referent = PyWeakref_GetObject(ref);
     return referent == NULL ? -1 : referent == obj;
 #endif
+}
+
+/* tuple(args[i] for i in positions); None (a new reference) if a position is out of
+ * range; NULL on error. */
+static PyObject *
+arguments_at(PyObject *args, PyObject *positions)
+{
+    Py_ssize_t m = PyTuple_GET_SIZE(positions);
+    PyObject *out = PyTuple_New(m);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < m; k++) {
+        PyObject *leaf = item_at(args, PyTuple_GET_ITEM(positions, k));
+        if (leaf == NULL) {
+            Py_DECREF(out);
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        }
+        PyTuple_SET_ITEM(out, k, Py_NewRef(leaf));
+    }
+    return out;
+}
+
+static int
+compare_addresses(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t) * (PyObject *const *)a, y = (uintptr_t) * (PyObject *const *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether the donated objects are distinct and none is also kept (speedups.donated_alone):
+ * 1 or 0, -1 on error. All four are tuples. */
+static int
+donated_alone(PyObject *kept_vars, PyObject *kept_dyn, PyObject *donated_vars,
+              PyObject *donated_dyn)
+{
+    Py_ssize_t n_vars = PyTuple_GET_SIZE(donated_vars), n = n_vars + PyTuple_GET_SIZE(donated_dyn);
+    if (n == 0) {
+        return 1;
+    }
+    PyObject **donated = PyMem_New(PyObject *, n);
+    if (donated == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        donated[i] = i < n_vars ? PyTuple_GET_ITEM(donated_vars, i)
+                                : PyTuple_GET_ITEM(donated_dyn, i - n_vars);
+    }
+    qsort(donated, (size_t)n, sizeof(PyObject *), compare_addresses);
+    int alone = 1;
+    for (Py_ssize_t i = 1; i < n && alone; i++) {
+        alone = donated[i] != donated[i - 1];
+    }
+    PyObject *kept[2] = {kept_vars, kept_dyn};
+    for (int g = 0; g < 2 && alone; g++) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kept[g]) && alone; i++) {
+            PyObject *obj = PyTuple_GET_ITEM(kept[g], i);
+            alone = bsearch(&obj, donated, (size_t)n, sizeof(PyObject *), compare_addresses) == NULL;
+        }
+    }
+    PyMem_Free(donated);
+    return alone;
 }
 
 /* plan_inputs(plan, args) -> the staged function's four inputs, or None if `args`
@@ -341,30 +407,29 @@ plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (unchanged <= 0) {
         return unchanged < 0 ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *dyn_positions = PyTuple_GET_ITEM(plan, DYN_POSITIONS);
-    Py_ssize_t m = PyTuple_GET_SIZE(dyn_positions);
-    PyObject *dyn = PyTuple_New(m);
-    if (dyn == NULL) {
+    /* kept Variables, kept arguments, donated Variables, donated arguments */
+    static const int group_fields[4] = {VARIABLES, DYN_POSITIONS, DONATED_VARIABLES,
+                                        DONATED_DYN_POSITIONS};
+    PyObject *inputs = PyTuple_New(4);
+    if (inputs == NULL) {
         return NULL;
     }
-    for (Py_ssize_t k = 0; k < m; k++) {
-        PyObject *leaf = item_at(call_args, PyTuple_GET_ITEM(dyn_positions, k));
-        if (leaf == NULL) {
-            Py_DECREF(dyn);
-            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    for (int g = 0; g < 4; g++) {
+        PyObject *field = PyTuple_GET_ITEM(plan, group_fields[g]);
+        PyObject *group = g % 2 == 0 ? read_all(PyTuple_GET_ITEM(plan, SLOT), field)
+                                     : arguments_at(call_args, field);
+        if (group == NULL || group == Py_None) {  /* an error, or a position out of range */
+            Py_DECREF(inputs);
+            return group;
         }
-        PyTuple_SET_ITEM(dyn, k, Py_NewRef(leaf));
+        PyTuple_SET_ITEM(inputs, g, group);
     }
-    PyObject *values = read_all(PyTuple_GET_ITEM(plan, SLOT), PyTuple_GET_ITEM(plan, VARIABLES));
-    if (values == NULL) {
-        Py_DECREF(dyn);
-        return NULL;
+    int alone = donated_alone(PyTuple_GET_ITEM(inputs, 0), PyTuple_GET_ITEM(inputs, 1),
+                              PyTuple_GET_ITEM(inputs, 2), PyTuple_GET_ITEM(inputs, 3));
+    if (alone <= 0) {  /* the general path names the shared array */
+        Py_DECREF(inputs);
+        return alone < 0 ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *empty = PyTuple_New(0);
-    PyObject *inputs = empty == NULL ? NULL : PyTuple_Pack(4, values, dyn, empty, empty);
-    Py_XDECREF(empty);
-    Py_DECREF(values);
-    Py_DECREF(dyn);
     return inputs;
 }
 

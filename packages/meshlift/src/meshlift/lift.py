@@ -165,19 +165,20 @@ class Lifted(Generic[Params, Result]):
             outputs = plan.staged(*inputs)
         except Exception as error:
             call = _Call.of_arguments(args, plan.node_positions)
-            return layout.recover(error, plan.staged, inputs[0], None, call)
+            return layout.recover(error, plan.staged, layout.split.gather(), None, call)
         if speedups.plan_write(plan, outputs):
             return outputs[2]
         call = _Call.of_arguments(args, plan.node_positions)
-        result = layout.finish(outputs, inputs[0], None, call)
+        result = layout.finish(outputs, layout.split.gather(), None, call)
         self._plan = self._plan_after(layout)
         return result
 
     def _plan_after(self, layout: _Layout) -> speedups.CallPlan | None:
-        """The plan for calls like the last one, which ran `layout`: None unless that call
-        took the repeat shortcut's conditions and wrote only Variables' arrays back."""
+        """The plan for calls like the last one, which ran `layout`: None unless its
+        arguments let the next call skip the lookup (`_Repeat`) and it wrote back only
+        Variables' arrays (no graph update, no graph node in its output)."""
         last, info, split = self._last, layout.info, layout.split
-        if last is None or last.layout is not layout or layout.donated or info is None:
+        if last is None or last.layout is not layout or info is None:
             return None
         if info.update is not None or info.outputs.graphdefs or info.container is not None:
             return None
@@ -196,6 +197,7 @@ class Lifted(Generic[Params, Result]):
         else:
             mesh_source, mesh = self.mesh, last.mesh
         slot, variables, targets = access
+        (kept_vars, donated_vars), (kept_dyn, donated_dyn) = layout.var_groups, layout.dyn_groups
         return speedups.CallPlan(
             mesh_source,
             mesh,
@@ -204,8 +206,10 @@ class Lifted(Generic[Params, Result]):
             last.refs,
             split.unchanged,
             slot,
-            variables,
-            tuple(i for i in range(len(last.types)) if i not in last.positions),
+            tuple(map(variables.__getitem__, kept_vars)),
+            kept_dyn,  # positions of leaves, here of arguments
+            tuple(map(variables.__getitem__, donated_vars)),
+            donated_dyn,
             info,
             info.changed,
             targets,
@@ -699,11 +703,11 @@ class _Layout:
     def _refuse_shared_donation(self, inputs: tuple[tuple[Any, ...], ...]) -> None:
         """Refuse, naming both, a donated array that another input holds too (two Params
         of one array, say): JAX cannot donate a buffer twice, nor read one it donated."""
+        if speedups.donated_alone(inputs):
+            return
         kept_vars, kept_dyn, donated_vars, donated_dyn = inputs
         donated = [*donated_vars, *donated_dyn]
         ids = set(map(id, donated))
-        if len(ids) == len(donated) and ids.isdisjoint(map(id, (*kept_vars, *kept_dyn))):
-            return
         var_name = [format_path(self._variable_path(i)) for i in range(len(self.split.paths))]
         dyn_name = {i: format_path(self.leaf_paths[i]) for i in self.dyn_pos}
         (kept_var_pos, donated_var_pos), (kept_dyn_pos, donated_dyn_pos) = (

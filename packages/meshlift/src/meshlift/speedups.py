@@ -79,8 +79,9 @@ class CallPlan(NamedTuple):
     A call matches when `mesh_source()` (if not None) returns `mesh`, its
     arguments have `types`, the graph nodes at `node_positions` are the
     referents of `node_refs`, and `unchanged()`. Its staged inputs are then the
-    `slot` of each of `variables` and the other arguments (`dyn_positions`).
-    Outputs carrying `info` write the Variable outputs at `changed` into
+    `slot` of each of `variables` and the arguments at `dyn_positions`, kept
+    and donated (the `donated_` fields); no donated input may be another input
+    too. Outputs carrying `info` write the Variable outputs at `changed` into
     `targets`, when each is an `array_type`. The C functions read the fields
     by position: keep the order.
     """
@@ -94,12 +95,24 @@ class CallPlan(NamedTuple):
     slot: Any
     variables: tuple[Any, ...]
     dyn_positions: tuple[int, ...]
+    donated_variables: tuple[Any, ...]
+    donated_dyn_positions: tuple[int, ...]
     info: Any
     changed: tuple[int, ...]
     targets: tuple[Any, ...]
     array_type: type
     staged: Callable[..., Any]  # read in Python only, from here on
     layout: Any
+
+
+def donated_alone(inputs: tuple[tuple[Any, ...], ...]) -> bool:
+    """Whether the donated inputs (the last two of kept Variables, kept other arguments,
+    donated Variables, donated other arguments) are distinct objects, none also kept:
+    JAX cannot donate one buffer twice, nor read a buffer it donated."""
+    kept_vars, kept_dyn, donated_vars, donated_dyn = inputs
+    donated = [*donated_vars, *donated_dyn]
+    ids = set(map(id, donated))
+    return len(ids) == len(donated) and ids.isdisjoint(map(id, (*kept_vars, *kept_dyn)))
 
 
 def _plan_inputs(plan: CallPlan, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...] | None:
@@ -118,8 +131,15 @@ def _plan_inputs(plan: CallPlan, args: tuple[Any, ...]) -> tuple[tuple[Any, ...]
             return None
     if not plan.unchanged():
         return None
-    dyn = tuple(map(args.__getitem__, plan.dyn_positions))
-    return read_each(plan.slot, plan.variables), dyn, (), ()
+    inputs = (
+        read_each(plan.slot, plan.variables),
+        tuple(map(args.__getitem__, plan.dyn_positions)),
+        read_each(plan.slot, plan.donated_variables),
+        tuple(map(args.__getitem__, plan.donated_dyn_positions)),
+    )
+    if (inputs[2] or inputs[3]) and not donated_alone(inputs):
+        return None  # the general path names the shared array
+    return inputs
 
 
 def _plan_write(plan: CallPlan, outputs: Any) -> bool:
