@@ -395,3 +395,21 @@ def test_a_donating_step_runs_on_its_plan_and_refuses_a_shared_array(plan_steps,
     assert model.w.get_raw_value() is shared and not shared.is_deleted()
     model.extra.set_value(jnp.zeros(8))
     same_as_eager(lifted, model, twin, jnp.float32(1))
+
+
+def test_a_step_that_writes_a_typed_key_back_runs_the_general_way(plan_steps):
+    class Keyed(nnx.Module):
+        def __init__(self):
+            self.key = nnx.Variable(jax.random.key(0))
+
+    def advance(m):
+        m.key[...], sub = jax.random.split(m.key[...])
+        return jax.random.uniform(sub)
+
+    lifted, model, twin = ml.jit(advance), Keyed(), Keyed()
+    for _ in range(3):
+        np.testing.assert_array_equal(lifted(model), advance(twin))
+        np.testing.assert_array_equal(
+            jax.random.key_data(model.key[...]), jax.random.key_data(twin.key[...])
+        )
+    assert lifted._plan is None  # a typed key is no plain array: the plan could not write it

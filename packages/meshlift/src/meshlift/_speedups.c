@@ -271,8 +271,9 @@ refers_to(PyObject *ref, PyObject *obj)
     if (PyWeakref_GetRef(ref, &referent) < 0) {
         return -1;
     }
+    int same = referent == obj;
     Py_XDECREF(referent);
-    return referent == obj;
+    return same;
 #else
     PyObject *referent = PyWeakref_GetObject(ref);
     return referent == NULL ? -1 : referent == obj;

@@ -197,6 +197,8 @@ class Lifted(Generic[Params, Result]):
         else:
             mesh_source, mesh = self.mesh, last.mesh
         slot, variables, targets = access
+        if not all(type(value) is array_type for value in speedups.read_each(slot, targets)):
+            return None  # a typed key, a container changed in place: each call would miss
         (kept_vars, donated_vars), (kept_dyn, donated_dyn) = layout.var_groups, layout.dyn_groups
         return speedups.CallPlan(
             mesh_source,
