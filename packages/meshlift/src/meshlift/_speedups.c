@@ -262,6 +262,24 @@ item_at(PyObject *tuple, PyObject *index)
     return 0 <= i && i < PyTuple_GET_SIZE(tuple) ? PyTuple_GET_ITEM(tuple, i) : NULL;
 }
 
+/* Whether `result` (a new reference, released here; or NULL with an error set) is
+ * `expected`: 1 or 0. An error of class `expected_error` is cleared and counts as 0; any
+ * other gives -1. */
+static int
+is_expected(PyObject *result, PyObject *expected, PyObject *expected_error)
+{
+    if (result == NULL) {
+        if (!PyErr_ExceptionMatches(expected_error)) {
+            return -1;
+        }
+        PyErr_Clear();
+        return 0;
+    }
+    int same = result == expected;
+    Py_DECREF(result);
+    return same;
+}
+
 /* 1 if the weak reference `ref` refers to `obj`, 0 if not (or dead), -1 on error. */
 static int
 refers_to(PyObject *ref, PyObject *obj)
@@ -280,10 +298,10 @@ refers_to(PyObject *ref, PyObject *obj)
 #endif
 }
 
-/* tuple(args[i] for i in positions); None (a new reference) if a position is out of
+/* tuple(items[i] for i in positions); None (a new reference) if a position is out of
  * range; NULL on error. */
 static PyObject *
-arguments_at(PyObject *args, PyObject *positions)
+items_at(PyObject *items, PyObject *positions)
 {
     Py_ssize_t m = PyTuple_GET_SIZE(positions);
     PyObject *out = PyTuple_New(m);
@@ -291,12 +309,12 @@ arguments_at(PyObject *args, PyObject *positions)
         return NULL;
     }
     for (Py_ssize_t k = 0; k < m; k++) {
-        PyObject *leaf = item_at(args, PyTuple_GET_ITEM(positions, k));
-        if (leaf == NULL) {
+        PyObject *item = item_at(items, PyTuple_GET_ITEM(positions, k));
+        if (item == NULL) {
             Py_DECREF(out);
             return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
         }
-        PyTuple_SET_ITEM(out, k, Py_NewRef(leaf));
+        PyTuple_SET_ITEM(out, k, Py_NewRef(item));
     }
     return out;
 }
@@ -359,19 +377,11 @@ plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *source = PyTuple_GET_ITEM(plan, MESH_SOURCE);
-    if (source != Py_None) {
-        PyObject *mesh = PyObject_CallNoArgs(source);
-        if (mesh == NULL) {  /* the general path asks again, and names the error if it recurs */
-            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-                return NULL;
-            }
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        int same = mesh == PyTuple_GET_ITEM(plan, MESH);
-        Py_DECREF(mesh);
-        if (!same) {
-            Py_RETURN_NONE;
+    if (source != Py_None) {  /* on an error the general path asks again, and raises it */
+        int same = is_expected(PyObject_CallNoArgs(source), PyTuple_GET_ITEM(plan, MESH),
+                               PyExc_Exception);
+        if (same <= 0) {
+            return same < 0 ? NULL : Py_NewRef(Py_None);
         }
     }
     PyObject *types = PyTuple_GET_ITEM(plan, TYPES);
@@ -418,7 +428,7 @@ plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (int g = 0; g < 4; g++) {
         PyObject *field = PyTuple_GET_ITEM(plan, group_fields[g]);
         PyObject *group = g % 2 == 0 ? read_all(PyTuple_GET_ITEM(plan, SLOT), field)
-                                     : arguments_at(call_args, field);
+                                     : items_at(call_args, field);
         if (group == NULL || group == Py_None) {  /* an error, or a position out of range */
             Py_DECREF(inputs);
             return group;
@@ -452,34 +462,29 @@ plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (info_name == NULL && (info_name = PyUnicode_InternFromString("info")) == NULL) {
         return NULL;
     }
-    PyObject *info = PyObject_GetAttr(PyTuple_GET_ITEM(outputs, 3), info_name);
-    if (info == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            return NULL;
-        }
-        PyErr_Clear();
-        Py_RETURN_FALSE;
+    int same = is_expected(PyObject_GetAttr(PyTuple_GET_ITEM(outputs, 3), info_name),
+                           PyTuple_GET_ITEM(plan, INFO), PyExc_AttributeError);
+    if (same < 0) {
+        return NULL;
     }
-    int same = info == PyTuple_GET_ITEM(plan, INFO);
-    Py_DECREF(info);
     PyObject *var_out = PyTuple_GET_ITEM(outputs, 0);
     if (!same || !PyTuple_CheckExact(var_out)) {
         Py_RETURN_FALSE;
     }
-    PyObject *changed = PyTuple_GET_ITEM(plan, CHANGED);
-    PyObject *array_type = PyTuple_GET_ITEM(plan, ARRAY_TYPE);
-    Py_ssize_t k = PyTuple_GET_SIZE(changed);
-    PyObject *new = PyTuple_New(k);
+    PyObject *new = items_at(var_out, PyTuple_GET_ITEM(plan, CHANGED));
     if (new == NULL) {
         return NULL;
     }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *value = item_at(var_out, PyTuple_GET_ITEM(changed, j));
-        if (value == NULL || (PyObject *)Py_TYPE(value) != array_type) {
+    if (new == Py_None) {  /* a position out of range */
+        Py_DECREF(new);
+        Py_RETURN_FALSE;
+    }
+    PyObject *array_type = PyTuple_GET_ITEM(plan, ARRAY_TYPE);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(new); j++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(new, j)) != array_type) {
             Py_DECREF(new);
-            return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+            Py_RETURN_FALSE;
         }
-        PyTuple_SET_ITEM(new, j, Py_NewRef(value));
     }
     int written = write_all("plan_write", PyTuple_GET_ITEM(plan, SLOT),
                             PyTuple_GET_ITEM(plan, TARGETS), new);
