@@ -106,9 +106,10 @@ class CallPlan(NamedTuple):
 
 
 def donated_alone(inputs: tuple[tuple[Any, ...], ...]) -> bool:
-    """Whether the donated inputs (the last two of kept Variables, kept other arguments,
-    donated Variables, donated other arguments) are distinct objects, none also kept:
-    JAX cannot donate one buffer twice, nor read a buffer it donated."""
+    """Whether, of the staged function's four inputs (kept Variables, kept other
+    arguments, donated Variables, donated other arguments), the donated objects are
+    distinct and none is also kept: JAX cannot donate one buffer twice, nor read a
+    buffer it donated."""
     kept_vars, kept_dyn, donated_vars, donated_dyn = inputs
     donated = [*donated_vars, *donated_dyn]
     ids = set(map(id, donated))
