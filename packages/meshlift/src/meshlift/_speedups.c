@@ -222,9 +222,11 @@ enum {
     PLAN_FIELDS,
 };
 
-static const int plan_tuples[] = {TYPES,           NODE_POSITIONS, NODE_REFS,
-                                  VARIABLES,       DYN_POSITIONS,  DONATED_VARIABLES,
-                                  DONATED_DYN_POSITIONS, CHANGED,  TARGETS};
+/* The fields that must be exact tuples. */
+static const int plan_tuples[] = {
+    TYPES, NODE_POSITIONS, NODE_REFS, VARIABLES, DYN_POSITIONS, DONATED_VARIABLES,
+    DONATED_DYN_POSITIONS, CHANGED, TARGETS,
+};
 
 /* The plan (borrowed) if `args` are a CallPlan and one more object; else NULL, TypeError set. */
 static PyObject *
