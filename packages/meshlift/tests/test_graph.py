@@ -308,6 +308,10 @@ STRUCTURAL_CHANGES = {
     "nnx.List append": lambda m, o: m.layers.append(nnx.Linear(2, 2, rngs=nnx.Rngs(2))),
     "nnx.List pop": lambda m, o: m.layers.pop(),
     "optimizer tx": lambda m, o: setattr(o, "tx", optax.sgd(1e-3)),
+    # obj.__dict__ = {...}: another dict, which no watcher of the old one sees
+    "Dropout's __dict__ swapped": lambda m, o: object.__setattr__(
+        m.drop, "__dict__", {**vars(m.drop), "rate": 0.5}
+    ),
 }
 
 
@@ -472,6 +476,18 @@ def test_static_dataclass_mutated_in_place_is_detected():
     model.config.scale = 3.0
     assert GraphSplit((model,)).key != split.key
     assert not split.unchanged()
+
+
+@pytest.mark.usefixtures("structure_check")
+def test_an_attribute_dict_swapped_for_another_is_detected_even_if_equal():
+    model = Configured()
+    split = GraphSplit((model,))
+    model.config.__dict__ = {"scale": 3.0}
+    assert not split.unchanged()
+    split = GraphSplit((model,))
+    model.config.__dict__ = dict(vars(model.config))  # equal: a new split finds the same key
+    assert not split.unchanged()
+    assert GraphSplit((model,)).key == split.key
 
 
 # -- rebuild and index_map -----------------------------------------------------

@@ -137,6 +137,17 @@ def _has_value_equality(cls: type) -> bool:
 
 
 @per_type
+def _dict_descriptor(cls: type) -> Any:
+    """The data descriptor that reads and sets `__dict__` on instances of `cls`, or None."""
+    for klass in cls.__mro__:
+        descriptor = vars(klass).get("__dict__")
+        if descriptor is not None:
+            settable = hasattr(descriptor, "__get__") and hasattr(descriptor, "__set__")
+            return descriptor if settable else None
+    return None
+
+
+@per_type
 def _slot_names(cls: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in cls.__mro__:
@@ -241,8 +252,9 @@ class Watcher:
     """A snapshot of the mutable containers that fix the structure of `nodes`.
 
     `unchanged()` is true while no attribute of any node was added, removed
-    or replaced, no watched dict, list, set or slot changed, and no Variable's
-    metadata changed: identity checks and a few equality checks, no traversal.
+    or replaced, no object's attribute dict was swapped for another, no
+    watched dict, list, set or slot changed, and no Variable's metadata
+    changed: identity checks and a few equality checks, no traversal.
 
     Where `dict_watch.available()` (CPython 3.12), plain dicts (attribute
     dicts, Variable metadata) report their own changes, so while none did the
@@ -264,9 +276,14 @@ class Watcher:
         self._sets: list[set] = []
         self._slotted: list[tuple[Any, tuple[str, ...]]] = []
         self._variables: list[Any] = []
+        self._holders: dict[Any, tuple[list[Any], list[dict]]] = {}
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
         self._variable_tuple = tuple(self._variables)
+        self._dict_holders = tuple(
+            (descriptor, tuple(objects), tuple(dicts))
+            for descriptor, (objects, dicts) in self._holders.items()
+        )
         containers = (self._sequences, self._sets, self._slotted)
         self._everything = _Snapshot(self._dicts, *containers)
         self._by_watchers = slots is not None and dict_watch.available()
@@ -287,6 +304,8 @@ class Watcher:
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
 
     def unchanged(self) -> bool:
+        if not self._same_attribute_dicts():
+            return False
         if self._by_watchers:
             return self._unchanged_by_watchers()
         if self._everything.same() and self._same_metadata_items():
@@ -310,6 +329,14 @@ class Watcher:
             self._seen = seen
             return True
         return False
+
+    def _same_attribute_dicts(self) -> bool:
+        """Whether each object still holds the attribute dict it held: `obj.__dict__ = {...}`
+        swaps in another, and the snapshot and the watchers hold the old one."""
+        for descriptor, objects, dicts in self._dict_holders:
+            if not speedups.read_each_is(descriptor, objects, dicts):
+                return False
+        return True
 
     def _same_metadata_items(self) -> bool:
         """Whether each Variable holds the metadata dict it held when last armed, with the
@@ -349,6 +376,15 @@ class Watcher:
         except Exception:  # an array in the metadata compared elementwise: call it changed
             return False
 
+    def _hold(self, obj: Any, attributes: dict) -> None:
+        """Note that `obj` holds `attributes`, to see it swapped for another dict later (by
+        `obj.__dict__ = ...`), grouped by the descriptor that reads it."""
+        descriptor = _dict_descriptor(type(obj))
+        if descriptor is not None and descriptor.__get__(obj, type(obj)) is attributes:
+            objects, dicts = self._holders.setdefault(descriptor, ([], []))
+            objects.append(obj)
+            dicts.append(attributes)
+
     def _watch(self, obj: Any, seen: set[int]) -> None:
         if isinstance(obj, self._skip) or id(obj) in seen:
             return
@@ -377,6 +413,7 @@ class Watcher:
         attributes = getattr(obj, "__dict__", None)
         if isinstance(attributes, dict) and not isinstance(obj, type):
             self._dicts.append(attributes)
+            self._hold(obj, attributes)
             children = chain(children, list(attributes.values()))
         names = _slot_names(type(obj))
         if names:
