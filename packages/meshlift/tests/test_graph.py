@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import subprocess
 import sys
+from array import array as typed_array
 
 import jax
 import jax.numpy as jnp
@@ -476,6 +477,36 @@ def test_static_dataclass_mutated_in_place_is_detected():
     model.config.scale = 3.0
     assert GraphSplit((model,)).key != split.key
     assert not split.unchanged()
+
+
+IN_PLACE = {  # (a container a static value holds, a change to it in place)
+    "deque append": (lambda: collections.deque([1.0]), lambda c: c.append(2.0)),
+    "bytearray item": (lambda: bytearray(b"\x01"), lambda c: c.__setitem__(0, 2)),
+    "array.array item": (lambda: typed_array("d", [1.0]), lambda c: c.__setitem__(0, 2.0)),
+    "NumPy array item": (lambda: np.ones(4), lambda c: c.__setitem__(0, 2.0)),
+    "NumPy array reshaped": (lambda: np.ones(4), lambda c: c.resize((2, 2), refcheck=False)),
+}
+
+
+@pytest.mark.parametrize(("make", "change"), IN_PLACE.values(), ids=IN_PLACE)
+@pytest.mark.usefixtures("structure_check")
+def test_a_container_in_a_static_value_changed_in_place_is_detected(make, change):
+    model = Configured()
+    model.config.scale = make()
+    split = GraphSplit((model,))
+    assert split.unchanged() and split.unchanged()  # nothing changed: no miss
+    change(model.config.scale)
+    assert not split.unchanged()
+    assert GraphSplit((model,)).key != split.key
+
+
+@pytest.mark.usefixtures("structure_check")
+def test_a_numpy_array_in_a_pytree_is_data_not_structure():
+    model = Configured()
+    model.config = nnx.data({"table": np.ones(4)})  # a dict: a pytree, whose leaves are data
+    split = GraphSplit((model,))
+    model.config["table"][0] = 2.0
+    assert split.unchanged()
 
 
 @pytest.mark.usefixtures("structure_check")

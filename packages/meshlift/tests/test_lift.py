@@ -1,5 +1,10 @@
 """The lift engine through a backend passed as an object: what a backend sees and returns."""
 
+import array
+import collections
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -336,6 +341,42 @@ def test_repeated_calls_follow_every_change_as_eager_does(plan_steps, monkeypatc
         lifted(model, x)
     np.testing.assert_array_equal(model.w[...], before)
     same_as_eager(lifted, model, twin, jnp.float32(1))
+
+
+@dataclasses.dataclass
+class Table:  # a static value: flax keeps it in the graph definition, not as data
+    values: Any
+
+
+class Tabled(nnx.Module):
+    def __init__(self, values):
+        self.w = nnx.Param(jnp.ones(2))
+        self.table = Table(values)
+
+
+# (make, change in place, read): containers a static value may hold, each changed in place
+STATIC_CONTAINERS = {
+    "deque": (lambda: collections.deque([1.0]), lambda t: t.append(2.0), sum),
+    "bytearray": (lambda: bytearray(b"\x01"), lambda t: t.__setitem__(0, 3), lambda t: t[0]),
+    "array.array": (lambda: array.array("d", [1.0]), lambda t: t.__setitem__(0, 4.0), max),
+    "NumPy array": (lambda: np.ones(2), lambda t: t.__setitem__(0, 5.0), lambda t: t.sum()),
+}
+
+
+@pytest.mark.parametrize(
+    ("make", "change", "read"), STATIC_CONTAINERS.values(), ids=STATIC_CONTAINERS
+)
+def test_a_static_container_changed_in_place_is_seen_as_eager_sees_it(
+    plan_steps, make, change, read
+):
+    def scaled(model, x):
+        return model.w[...] * x * float(read(model.table.values))
+
+    lifted, model, twin = ml.jit(scaled), Tabled(make()), Tabled(make())
+    for step in (lambda t: None, lambda t: None, change, lambda t: None):
+        step(model.table.values)
+        step(twin.table.values)
+        np.testing.assert_allclose(lifted(model, jnp.float32(2)), scaled(twin, jnp.float32(2)))
 
 
 def test_a_retrace_on_the_plan_that_returns_the_module_gives_the_module(plan_steps):

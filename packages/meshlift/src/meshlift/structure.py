@@ -4,8 +4,9 @@
 identity, so a fresh `optax.adam(1e-3)` reuses compiled code and a config
 object mutated in place does not. `Watcher` takes a snapshot of every
 mutable container reachable from a call's graph nodes (attribute dicts,
-lists, sets, slots, `partial` keywords, Variable metadata) and tells, cheaply
-and by identity, whether any of it was changed since.
+lists, deques, sets, slots, `partial` keywords, Variable metadata; static
+NumPy arrays and byte buffers by contents) and tells, cheaply and mostly by
+identity, whether any of it was changed since.
 
 Example:
 
@@ -20,6 +21,8 @@ assert fingerprint(optax.adam(1e-3)) != fingerprint(optax.adam(1e-2))
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import enum
 import functools
@@ -29,6 +32,7 @@ from collections.abc import Callable, Hashable, Iterable
 from itertools import chain
 from typing import Any, TypeVar
 
+import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
@@ -39,6 +43,8 @@ _T = TypeVar("_T")
 
 # Immutable values compared by value.
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type, enum.Enum)
+# Mutable buffers: compared by their bytes.
+_BUFFERS = (bytearray, array.array)
 # Not looked into: code, and flax's immutable mappings (replaced, never mutated).
 _OPAQUE = (
     types.FunctionType,
@@ -89,6 +95,10 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
     cls = type(x)
     if isinstance(x, list | tuple):
         return (cls, tuple(map(fp, x)), _fields(x, fp))
+    if isinstance(x, collections.deque):
+        return (cls, x.maxlen, tuple(map(fp, x)))
+    if isinstance(x, _BUFFERS):
+        return (cls, getattr(x, "typecode", None), bytes(memoryview(x)))
     if isinstance(x, dict | graphlib.HashableMapping):
         extra = fp(getattr(x, "default_factory", None))
         return (cls, tuple((fp(k), fp(v)) for k, v in x.items()), extra)
@@ -134,6 +144,22 @@ def _fields(x: Any, fp: Any) -> Hashable | None:
 @per_type
 def _has_value_equality(cls: type) -> bool:
     return cls.__eq__ is not object.__eq__ and cls.__hash__ is not None
+
+
+def _holds_static_values(obj: Any) -> bool:
+    """Whether flax keeps what `obj` holds as static: `obj` is neither a graph node nor a
+    JAX pytree node (a list, dict, tuple or registered class), whose leaves are data."""
+    if graphlib.is_graph_node(obj):
+        return False
+    leaves = jax.tree_util.tree_leaves(obj, is_leaf=lambda x: x is not obj)
+    return len(leaves) == 1 and leaves[0] is obj
+
+
+def _buffer_contents(buffer: Any) -> Hashable:
+    """What a buffer holds now: a NumPy array's shape, dtype and bytes; another's bytes."""
+    if isinstance(buffer, np.ndarray):
+        return (buffer.shape, buffer.dtype.str, buffer.tobytes())
+    return bytes(memoryview(buffer))
 
 
 @per_type
@@ -185,7 +211,8 @@ class _Identity:
 
 
 class _Snapshot:
-    """The identity of every item of some dicts, lists, sets and slots; `same()` compares it.
+    """The identity of every item of some dicts, sequences, sets and slots, and the contents
+    of some buffers (a static NumPy array, a `bytearray`); `same()` compares them.
 
     This is on the per-call path: plain dicts, nearly all of it, are compared
     in one `speedups.same_items` loop; the rest in loops that run in C too.
@@ -197,13 +224,15 @@ class _Snapshot:
         sequences: list[Any],
         sets: list[set],
         slotted: list[tuple[Any, tuple[str, ...]]],
+        buffers: list[Any],
     ):
         self._plain = tuple(d for d in dicts if type(d) is dict)
         # a dict subclass may iterate otherwise (an OrderedDict keeps its own order)
         self._dicts = [d for d in dicts if type(d) is not dict]
         self._sequences, self._sets, self._slotted = sequences, sets, slotted
+        self._buffers = buffers
         self._sized = [*self._dicts, *sequences, *sets]
-        self.empty = not dicts and not self._sized and not slotted
+        self.empty = not dicts and not self._sized and not slotted and not buffers
         self.take()
 
     def take(self) -> None:
@@ -215,11 +244,14 @@ class _Snapshot:
         self._keys = list(chain.from_iterable(self._dicts))
         self._values = list(self._value_stream())
         self._set_copies = [frozenset(s) for s in self._sets]
+        self._buffer_copies = list(map(_buffer_contents, self._buffers))
 
     def same(self) -> bool:
         if not speedups.same_items(
             self._plain, self._plain_sizes, self._plain_keys, self._plain_values
         ):
+            return False
+        if self._buffers and list(map(_buffer_contents, self._buffers)) != self._buffer_copies:
             return False
         if not self._sized and not self._slotted:
             return True
@@ -276,6 +308,7 @@ class Watcher:
         self._sets: list[set] = []
         self._slotted: list[tuple[Any, tuple[str, ...]]] = []
         self._variables: list[Any] = []
+        self._buffers: list[Any] = []
         self._holders: dict[Any, tuple[list[Any], list[dict]]] = {}
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
@@ -284,7 +317,7 @@ class Watcher:
             (descriptor, tuple(objects), tuple(dicts))
             for descriptor, (objects, dicts) in self._holders.items()
         )
-        containers = (self._sequences, self._sets, self._slotted)
+        containers = (self._sequences, self._sets, self._slotted, self._buffers)
         self._everything = _Snapshot(self._dicts, *containers)
         self._by_watchers = slots is not None and dict_watch.available()
         if self._by_watchers:
@@ -364,7 +397,7 @@ class Watcher:
             self._metadata_watched = all(type(d) is dict for d in current)
         else:  # only dicts are compared item by item; anything else, by value every call
             every_dict = all(isinstance(d, dict) for d in current)
-            self._metadata_items = _Snapshot(list(current), [], [], []) if every_dict else None
+            self._metadata_items = _Snapshot(list(current), [], [], [], []) if every_dict else None
         self._metadata_dicts = current
         return dict_watch.changes()
 
@@ -385,22 +418,28 @@ class Watcher:
             objects.append(obj)
             dicts.append(attributes)
 
-    def _watch(self, obj: Any, seen: set[int]) -> None:
+    def _watch(self, obj: Any, seen: set[int], static: bool = False) -> None:
+        """Note every mutable container reachable from `obj`; `static`: `obj` is held by a
+        static value (not reached through graph nodes and pytrees alone), so an array there
+        is a compile-time constant, not data."""
         if isinstance(obj, self._skip) or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, nnx.Variable):
             self._variables.append(obj)  # its metadata is compared by value, see unchanged()
             for value in self._read_metadata(obj).values():
-                self._watch(value, seen)
+                self._watch(value, seen, static=True)
             return
-        if hasattr(obj, "shape") and hasattr(obj, "dtype"):  # an array: data, not structure
+        if isinstance(obj, _BUFFERS) or (static and isinstance(obj, np.ndarray)):
+            self._buffers.append(obj)
+            return
+        if hasattr(obj, "shape") and hasattr(obj, "dtype"):  # an array: data, or immutable
             return
         children: Iterable[Any] = ()
         if isinstance(obj, dict):
             self._dicts.append(obj)
             children = list(obj.values())
-        elif isinstance(obj, list):
+        elif isinstance(obj, list | collections.deque):
             self._sequences.append(obj)
             children = list(obj)
         elif isinstance(obj, set):
@@ -419,5 +458,6 @@ class Watcher:
         if names:
             self._slotted.append((obj, names))
             children = chain(children, [getattr(obj, n, _MISSING) for n in names])
+        static = static or _holds_static_values(obj)
         for child in children:
-            self._watch(child, seen)
+            self._watch(child, seen, static)
