@@ -28,6 +28,7 @@ import enum
 import functools
 import operator
 import types
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from itertools import chain
 from typing import Any, TypeVar
@@ -310,6 +311,8 @@ class Watcher:
         self._variables: list[Any] = []
         self._buffers: list[Any] = []
         self._holders: dict[Any, tuple[list[Any], list[dict]]] = {}
+        self._root_ids = {id(node) for node in nodes}
+        self._root_dicts: list[tuple[weakref.ref, Any, dict]] = []
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
         self._variable_tuple = tuple(self._variables)
@@ -369,6 +372,10 @@ class Watcher:
         for descriptor, objects, dicts in self._dict_holders:
             if not speedups.read_each_is(descriptor, objects, dicts):
                 return False
+        for ref, descriptor, attributes in self._root_dicts:
+            root = ref()
+            if root is None or descriptor.__get__(root, type(root)) is not attributes:
+                return False
         return True
 
     def _same_metadata_items(self) -> bool:
@@ -413,10 +420,19 @@ class Watcher:
         """Note that `obj` holds `attributes`, to see it swapped for another dict later (by
         `obj.__dict__ = ...`), grouped by the descriptor that reads it."""
         descriptor = _dict_descriptor(type(obj))
-        if descriptor is not None and descriptor.__get__(obj, type(obj)) is attributes:
-            objects, dicts = self._holders.setdefault(descriptor, ([], []))
-            objects.append(obj)
-            dicts.append(attributes)
+        if descriptor is None or descriptor.__get__(obj, type(obj)) is not attributes:
+            return
+        if id(obj) in self._root_ids:
+            # Held weakly: the layout cache drops a layout once a node it was made for dies.
+            # (The other objects are held anyway, by the containers watched above them.)
+            try:
+                self._root_dicts.append((weakref.ref(obj), descriptor, attributes))
+                return
+            except TypeError:  # no weak references to it
+                pass
+        objects, dicts = self._holders.setdefault(descriptor, ([], []))
+        objects.append(obj)
+        dicts.append(attributes)
 
     def _watch(self, obj: Any, seen: set[int], static: bool = False) -> None:
         """Note every mutable container reachable from `obj`; `static`: `obj` is held by a
