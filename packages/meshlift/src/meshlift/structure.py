@@ -286,8 +286,9 @@ class Watcher:
 
     `unchanged()` is true while no attribute of any node was added, removed
     or replaced, no object's attribute dict was swapped for another, no
-    watched dict, list, set or slot changed, and no Variable's metadata
-    changed: identity checks and a few equality checks, no traversal.
+    watched dict, list, deque, set, slot or static buffer changed, and no
+    Variable's metadata changed: identity checks and a few equality checks,
+    no traversal.
 
     Where `dict_watch.available()` (CPython 3.12), plain dicts (attribute
     dicts, Variable metadata) report their own changes, so while none did the
