@@ -99,7 +99,7 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
     if isinstance(x, collections.deque):
         return (cls, x.maxlen, tuple(map(fp, x)))
     if isinstance(x, _BUFFERS):
-        return (cls, getattr(x, "typecode", None), bytes(memoryview(x)))
+        return (cls, getattr(x, "typecode", None), _buffer_contents(x))
     if isinstance(x, dict | graphlib.HashableMapping):
         extra = fp(getattr(x, "default_factory", None))
         return (cls, tuple((fp(k), fp(v)) for k, v in x.items()), extra)
