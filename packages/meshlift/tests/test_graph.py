@@ -70,7 +70,7 @@ def path_kind(request, monkeypatch):
 
 def use_python_loops(monkeypatch):
     """`meshlift.speedups` as installed without a C compiler: the pure-Python twins."""
-    for name in ("read_each", "read_each_is", "write_each", "same_items"):
+    for name in ("read_each", "read_each_is", "write_each", "same_dicts", "same_items"):
         monkeypatch.setattr(speedups, name, getattr(speedups, f"_{name}"))
 
 

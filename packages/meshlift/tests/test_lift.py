@@ -260,7 +260,14 @@ def test_each_call_runs_on_its_own_arguments_as_eager_does(plan_steps):
 def plan_steps(request, monkeypatch):
     """A repeated call's steps in C, and with the Python twins (installed without a compiler)."""
     if request.param == "Python":
-        for name in ("read_each", "read_each_is", "write_each", "plan_inputs", "plan_write"):
+        for name in (
+            "read_each",
+            "read_each_is",
+            "write_each",
+            "same_dicts",
+            "plan_inputs",
+            "plan_write",
+        ):
             monkeypatch.setattr(speedups, name, getattr(speedups, f"_{name}"))
     return request.param
 

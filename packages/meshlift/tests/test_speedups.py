@@ -27,6 +27,7 @@ TWINS = {
                 "read_each",
                 "read_each_is",
                 "write_each",
+                "same_dicts",
                 "same_items",
                 "plan_inputs",
                 "plan_write",
@@ -153,6 +154,31 @@ def test_same_items_compares_keys_by_equality(impl):
     taken = snapshot([{key: value}])
     rebuilt = {"".join(["nam", "e"]): value}  # an equal key, another string object
     assert impl.same_items((rebuilt,), *taken[1:])
+
+
+class Config:
+    """A plain object: its attributes live in its `__dict__`."""
+
+
+def test_same_dicts_reads_each_holder_or_its_weak_referent(impl):
+    held, root = Config(), Config()
+    ref = weakref.ref(root)
+    dicts = (vars(held), vars(root))
+    assert impl.same_dicts((held, ref), dicts)
+    assert impl.same_dicts((), ())
+    assert not impl.same_dicts((held,), dicts)  # lengths differ
+    root.__dict__ = dict(vars(root))  # an equal dict, another object
+    assert not impl.same_dicts((held, ref), dicts)
+    assert impl.same_dicts((held, ref), (vars(held), vars(root)))
+    held.__dict__ = {}
+    assert not impl.same_dicts((held, ref), (dicts[0], vars(root)))
+
+
+def test_same_dicts_is_false_once_a_weak_referent_is_collected(impl):
+    root = Config()
+    ref, attributes = weakref.ref(root), vars(root)
+    del root
+    assert not impl.same_dicts((ref,), (attributes,))
 
 
 def test_c_loops_take_tuples_only():

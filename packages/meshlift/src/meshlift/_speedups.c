@@ -109,6 +109,58 @@ read_each_is(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* same_dicts(holders, dicts) -> whether each holder's attribute dict (its generic
+ * `__dict__`) is the dict at the same position; a holder that is a weakref.ref is read
+ * through it (collected: False). */
+static PyObject *
+same_dicts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"holders", "dicts"};
+    if (check_args("same_dicts", args, nargs, 2, names) < 0) {
+        return NULL;
+    }
+    PyObject *holders = args[0], *dicts = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(holders);
+    if (PyTuple_GET_SIZE(dicts) != n) {
+        Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *holder = PyTuple_GET_ITEM(holders, i);
+        PyObject *dict;
+        if (PyWeakref_CheckRefExact(holder)) {
+#if PY_VERSION_HEX >= 0x030D0000
+            PyObject *referent;
+            if (PyWeakref_GetRef(holder, &referent) < 0) {
+                return NULL;
+            }
+#else
+            PyObject *referent = Py_XNewRef(PyWeakref_GetObject(holder));
+            if (referent == NULL) {
+                return NULL;
+            }
+#endif
+            if (referent == NULL || referent == Py_None) {
+                Py_XDECREF(referent);
+                Py_RETURN_FALSE;
+            }
+            dict = PyObject_GenericGetDict(referent, NULL);
+            Py_DECREF(referent);
+        }
+        else {
+            dict = PyObject_GenericGetDict(holder, NULL);
+        }
+        if (dict == NULL) {
+            return NULL;
+        }
+        int same = dict == PyTuple_GET_ITEM(dicts, i);
+        Py_DECREF(dict);
+        if (!same) {
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 /* descriptor.__set__(o, v) for each pair, nothing written unless the lengths are equal;
  * objects and values: tuples. 0, or -1 with an error set. */
 static int
@@ -504,6 +556,8 @@ static PyMethodDef methods[] = {
      "read_each_is(descriptor, objects, expected) -> all(descriptor.__get__(o) is e)"},
     {"write_each", (PyCFunction)(void (*)(void))write_each, METH_FASTCALL,
      "write_each(descriptor, objects, values): descriptor.__set__(o, v) for each pair"},
+    {"same_dicts", (PyCFunction)(void (*)(void))same_dicts, METH_FASTCALL,
+     "same_dicts(holders, dicts) -> whether each holder (or weakref's referent) has that __dict__"},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(dicts, sizes, keys, values) -> whether the dicts hold these items"},
     {"plan_inputs", (PyCFunction)(void (*)(void))plan_inputs, METH_FASTCALL,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import weakref
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any, NamedTuple
@@ -55,6 +56,21 @@ def _write_each(descriptor: Any, objects: tuple[Any, ...], values: tuple[Any, ..
     if len(objects) != len(values):
         raise ValueError(f"write_each(): {len(objects)} objects but {len(values)} values")
     collections.deque(map(descriptor.__set__, objects, values), maxlen=0)
+
+
+def _same_dicts(holders: tuple[Any, ...], dicts: tuple[dict, ...]) -> bool:
+    """Whether each holder's attribute dict is the dict at its position; a holder that is
+    a `weakref.ref` is read through it (collected: False)."""
+    if len(holders) != len(dicts):
+        return False
+    for holder, attributes in zip(holders, dicts, strict=True):
+        if type(holder) is weakref.ref:
+            holder = holder()
+            if holder is None:
+                return False
+        if object.__getattribute__(holder, "__dict__") is not attributes:
+            return False
+    return True
 
 
 def _same_items(
@@ -167,15 +183,17 @@ try:
         plan_write,
         read_each,
         read_each_is,
+        same_dicts,
         same_items,
         write_each,
     )
 except ImportError:  # built without a C compiler: the twins above
     COMPILED = False
-    read_each, read_each_is, write_each, same_items, plan_inputs, plan_write = (
+    read_each, read_each_is, write_each, same_dicts, same_items, plan_inputs, plan_write = (
         _read_each,
         _read_each_is,
         _write_each,
+        _same_dicts,
         _same_items,
         _plan_inputs,
         _plan_write,

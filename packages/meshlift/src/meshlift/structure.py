@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -164,14 +165,13 @@ def _buffer_contents(buffer: Any) -> Hashable:
 
 
 @per_type
-def _dict_descriptor(cls: type) -> Any:
-    """The data descriptor that reads and sets `__dict__` on instances of `cls`, or None."""
+def _has_generic_dict(cls: type) -> bool:
+    """Whether `obj.__dict__` of a `cls` is the interpreter's own slot (no property)."""
     for klass in cls.__mro__:
         descriptor = vars(klass).get("__dict__")
         if descriptor is not None:
-            settable = hasattr(descriptor, "__get__") and hasattr(descriptor, "__set__")
-            return descriptor if settable else None
-    return None
+            return isinstance(descriptor, types.GetSetDescriptorType | types.MemberDescriptorType)
+    return False
 
 
 @per_type
@@ -311,16 +311,13 @@ class Watcher:
         self._slotted: list[tuple[Any, tuple[str, ...]]] = []
         self._variables: list[Any] = []
         self._buffers: list[Any] = []
-        self._holders: dict[Any, tuple[list[Any], list[dict]]] = {}
+        self._holders: list[Any] = []  # objects, a top-level node through a weakref
+        self._held: list[dict] = []  # the attribute dict each holds
         self._root_ids = {id(node) for node in nodes}
-        self._root_dicts: list[tuple[weakref.ref, Any, dict]] = []
         self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
         self._watch(nodes, set())
         self._variable_tuple = tuple(self._variables)
-        self._dict_holders = tuple(
-            (descriptor, tuple(objects), tuple(dicts))
-            for descriptor, (objects, dicts) in self._holders.items()
-        )
+        self._holder_tuple, self._held_tuple = tuple(self._holders), tuple(self._held)
         containers = (self._sequences, self._sets, self._slotted, self._buffers)
         self._everything = _Snapshot(self._dicts, *containers)
         self._by_watchers = slots is not None and dict_watch.available()
@@ -341,7 +338,8 @@ class Watcher:
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
 
     def unchanged(self) -> bool:
-        if not self._same_attribute_dicts():
+        # obj.__dict__ = {...} swaps in another dict; the snapshot and watchers hold the old
+        if not speedups.same_dicts(self._holder_tuple, self._held_tuple):
             return False
         if self._by_watchers:
             return self._unchanged_by_watchers()
@@ -366,18 +364,6 @@ class Watcher:
             self._seen = seen
             return True
         return False
-
-    def _same_attribute_dicts(self) -> bool:
-        """Whether each object still holds the attribute dict it held: `obj.__dict__ = {...}`
-        swaps in another, and the snapshot and the watchers hold the old one."""
-        for descriptor, objects, dicts in self._dict_holders:
-            if not speedups.read_each_is(descriptor, objects, dicts):
-                return False
-        for ref, descriptor, attributes in self._root_dicts:
-            root = ref()
-            if root is None or descriptor.__get__(root, type(root)) is not attributes:
-                return False
-        return True
 
     def _same_metadata_items(self) -> bool:
         """Whether each Variable holds the metadata dict it held when last armed, with the
@@ -419,21 +405,17 @@ class Watcher:
 
     def _hold(self, obj: Any, attributes: dict) -> None:
         """Note that `obj` holds `attributes`, to see it swapped for another dict later (by
-        `obj.__dict__ = ...`), grouped by the descriptor that reads it."""
-        descriptor = _dict_descriptor(type(obj))
-        if descriptor is None or descriptor.__get__(obj, type(obj)) is not attributes:
+        `obj.__dict__ = ...`)."""
+        if not _has_generic_dict(type(obj)) or obj.__dict__ is not attributes:
             return
+        holder = obj
         if id(obj) in self._root_ids:
             # Held weakly: the layout cache drops a layout once a node it was made for dies.
             # (The other objects are held anyway, by the containers watched above them.)
-            try:
-                self._root_dicts.append((weakref.ref(obj), descriptor, attributes))
-                return
-            except TypeError:  # no weak references to it
-                pass
-        objects, dicts = self._holders.setdefault(descriptor, ([], []))
-        objects.append(obj)
-        dicts.append(attributes)
+            with contextlib.suppress(TypeError):  # else no weak references to it
+                holder = weakref.ref(obj)
+        self._holders.append(holder)
+        self._held.append(attributes)
 
     def _watch(self, obj: Any, seen: set[int], static: bool = False) -> None:
         """Note every mutable container reachable from `obj`; `static`: `obj` is held by a
