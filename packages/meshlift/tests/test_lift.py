@@ -100,15 +100,6 @@ def test_a_mesh_given_as_a_dict_says_how_to_make_one():
         ml.jit(lambda x: x, mesh={"data": 2, "model": 4})
 
 
-def test_specs_with_keyword_arguments_say_keywords_take_none():
-    mesh = ml.make_mesh({"data": 2, "model": 4})
-    layer = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    f = ml.jit(lambda model, x: model(x), in_shardings=(P(), P("data")), mesh=mesh)
-    with pytest.raises(ml.PlanError, match=r"x came by keyword.*keyword arguments take no specs"):
-        f(layer, x=jnp.ones((8, 4)))
-    assert f(layer, jnp.ones((8, 4))).shape == (8, 4)
-
-
 def test_variable_whose_shape_changed_so_its_plan_no_longer_fits_is_named():
     mesh = ml.make_mesh({"data": 2, "model": 4})
     plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})

@@ -136,10 +136,13 @@ def test_lists_are_read_as_tuples(mesh):
     np.testing.assert_array_equal(diff, X - X.T)
 
 
-def test_keyword_arguments_take_no_specs(mesh):
+def test_keyword_arguments_are_refused_next_to_specs_unless_static(mesh):
     f = ml.pjit(lambda x, *, scale: x * scale, P("data"), P("data"))
+    with ml.use_mesh(mesh), pytest.raises(ValueError, match="does not support kwargs"):
+        f(X, scale=jnp.float32(3.0))  # old pjit refused them too
+    f = ml.pjit(lambda x, *, scale: x * scale, P("data"), P("data"), static_argnames="scale")
     with ml.use_mesh(mesh):
-        out = f(X, scale=jnp.float32(3.0))
+        out = f(X, scale=3.0)
     np.testing.assert_array_equal(out, X * 3)
     assert out.sharding.spec == P("data")
 

@@ -10,6 +10,7 @@ behaves, and the whole suite passes (`nox -t compat`), on:
 
 The names: `nnx.Variable._raw_value` / `._var_metadata` / `._can_update`,
 `flax.nnx.pytreelib.PytreeState`, `flax.nnx.tracers.TraceState`,
+`flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache`, `jax._src.state.types.AbstractRef`,
 `flax.linen.module._context.module_stack`, `jax.Array._committed`,
 `jax._src.core.trace_state_clean`, `jax._src.mesh.get_concrete_mesh` and
 `jax._src.mesh.thread_resources`.
@@ -71,6 +72,45 @@ def can_update(variable: Any) -> bool:
     if isinstance(check, bool):
         return check
     return isinstance(variable.get_raw_value(), jax.core.Tracer)
+
+
+def is_ref(x: Any) -> bool:
+    """Whether `x` is a mutable array reference (`jax.Ref`, a `ref=True` Variable's value),
+    also inside a trace."""
+    ref_type = getattr(jax, "Ref", None)
+    if ref_type is not None and isinstance(x, ref_type):
+        return True
+    abstract = _abstract_ref()
+    return abstract is not None and isinstance(getattr(x, "aval", None), abstract)
+
+
+@functools.cache
+def _abstract_ref() -> type | None:
+    try:
+        from jax._src.state.types import AbstractRef
+    except ImportError:
+        return None
+    return AbstractRef
+
+
+def new_ref(value: Any) -> Any:
+    """A new mutable array reference holding `value` (on its sharding)."""
+    return jax.new_ref(value)
+
+
+class _NoGraphContext:
+    tmp_static_cache = None
+
+
+@functools.cache
+def graph_context() -> Any:
+    """flax's graph context, whose `tmp_static_cache` `nnx.cached_partial` sets for the
+    transform it calls to take (a stand-in holding None on a flax without one)."""
+    try:
+        from flax.nnx.graphlib import GRAPH_CONTEXT
+    except ImportError:
+        return _NoGraphContext()
+    return GRAPH_CONTEXT if hasattr(GRAPH_CONTEXT, "tmp_static_cache") else _NoGraphContext()
 
 
 def is_committed(array: jax.Array) -> bool:

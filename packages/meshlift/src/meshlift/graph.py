@@ -28,14 +28,16 @@ split.scatter(range(len(arrays)), arrays, (model,))
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+import operator
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from meshlift import compat, speedups
+from meshlift import compat, modes, speedups
 from meshlift.paths import Path, PlanError, StructureChangedError, format_path, listing
 from meshlift.structure import Watcher, fingerprint, per_type
 
@@ -123,6 +125,10 @@ class GraphSplit:
         top = {id(node) for node in nodes}
         self._inner = {i: node for node, i in ref_index.items() if id(node) not in top}
         self._watcher = Watcher(nodes)
+        self.unchanged = self._watcher.unchanged
+        if modes.check_fast_paths:
+            self._nodes = tuple(map(_weak_or_strong, nodes))
+            self.unchanged = self._checked_unchanged
         # where each array stored on a module lives: (top-level position or None, the
         # inner parent node or None, attribute key)
         self._homes = {
@@ -140,9 +146,25 @@ class GraphSplit:
         self._last_targets: tuple[Any, ...] = ()
 
     # -- per call ---------------------------------------------------------
-    def unchanged(self) -> bool:
-        """True if no attribute of any node was added, removed or replaced since the split."""
-        return self._watcher.unchanged()
+    # unchanged() -> bool: True if no attribute of any node was added, removed or replaced
+    # since the split (the Watcher's check, set in __init__).
+
+    def _checked_unchanged(self) -> bool:
+        """The Watcher's verdict, verified by splitting again (`modes.check_fast_paths`)."""
+        if not self._watcher.unchanged():
+            return False
+        nodes = tuple(ref() for ref in self._nodes)
+        graphdef, flat = flatten(nodes, ref_index=graphlib.RefMap())
+        same_leaves = len(flat.leaves) == len(self.leaves) and all(
+            map(operator.is_, flat.leaves, self.leaves)
+        )
+        if not same_leaves or fingerprint(graphdef) != self.key:
+            raise AssertionError(
+                "meshlift's structure check found nothing changed, but splitting again "
+                f"gives {'other leaves' if not same_leaves else 'another structure'}: the "
+                "Watcher misses a kind of change"
+            )
+        return True
 
     def gather(self) -> tuple[Any, ...]:
         """The current array of every leaf, in split order."""
@@ -224,6 +246,13 @@ def _refuse_hijax(paths: Sequence[Path], leaves: Sequence[Any], names: Any) -> N
         )
 
 
+def _weak_or_strong(node: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(node)
+    except TypeError:
+        return lambda: node
+
+
 def _set_raw_value(variable: Any, value: Any) -> None:
     variable.set_raw_value(value)
 
@@ -282,7 +311,12 @@ class Rebuilt:
             sources.append(leaf_position.get(outer) if outer is not None else None)
             indices.append(ref_index[leaf] if is_variable else None)
         leaves = self._in_place(leaves, sources)
-        update = GraphUpdate(graphdef, tuple(flat.paths), tuple(sources), tuple(indices))
+        in_place = frozenset(  # a ref=True Variable's reference, mutated through: kept
+            s
+            for value, s in zip(leaves, sources, strict=True)
+            if s is not None and value is self.values[s] and compat.is_ref(value)
+        )
+        update = GraphUpdate(graphdef, tuple(flat.paths), tuple(sources), tuple(indices), in_place)
         return ref_index, leaves, update
 
     def _in_place(self, leaves: list[Any], sources: Iterable[int | None]) -> list[Any]:
@@ -296,14 +330,16 @@ class Rebuilt:
         ]
 
 
-_NO_UPDATE = getattr(graphlib, "NoUpdate", None)
+_NO_UPDATE: Any = getattr(graphlib, "NoUpdate", None)
 
 
 class GraphUpdate:
     """A new graph for the caller's nodes, found while tracing; applied after the call.
 
     `sources[j]` is the split position of the caller's Variable that new leaf
-    `j` is (it keeps that Variable's sharding), or None for a new one.
+    `j` is (it keeps that Variable's sharding), or None for a new one. `in_place`
+    are the split positions whose value is the caller's own reference (a
+    `ref=True` Variable's, mutated through it): not an output, kept as it is.
     """
 
     def __init__(
@@ -312,8 +348,10 @@ class GraphUpdate:
         paths: tuple[Path, ...],
         sources: tuple[int | None, ...],
         indices: tuple[int | None, ...],
+        in_place: frozenset[int] = frozenset(),
     ):
         self.graphdef, self.paths, self.sources, self.indices = graphdef, paths, sources, indices
+        self.in_place = in_place
 
     def check_metadata(self, before: Any, names: Sequence[str]) -> None:
         """Refuse if the function changed the metadata of a caller's Variable (not carried back).
@@ -344,9 +382,13 @@ class GraphUpdate:
 
     def leaves(self, var_out: Sequence[Any], extra: Sequence[Any]) -> list[Any]:
         """The new graph's leaves out of the staged output: the caller's Variables' new
-        values (by split position) and, in order, those of Variables made inside."""
+        values (by split position; flax's "no update" where kept in place) and, in order,
+        those of Variables made inside."""
         extras = iter(extra)
-        return [next(extras) if s is None else var_out[s] for s in self.sources]
+        return [
+            next(extras) if s is None else _NO_UPDATE() if s in self.in_place else var_out[s]
+            for s in self.sources
+        ]
 
     def apply(self, values: Sequence[Any], index_map: graphlib.IndexMap) -> graphlib.IndexMap:
         """Re-point the caller's nodes as the function did; returns new index -> object."""

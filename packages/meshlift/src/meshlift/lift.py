@@ -34,6 +34,8 @@ import functools
 import itertools
 import operator
 import re
+import types
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
@@ -43,8 +45,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, Sharding
 
-from meshlift import compat, resolve, speedups
-from meshlift.arguments import Signature, insert_statics, named_statics
+from meshlift import compat, modes, resolve, speedups
+from meshlift.arguments import Signature, insert_statics, named_statics, static_key
 from meshlift.backend import Backend, StageSpec
 from meshlift.graph import (
     GraphSplit,
@@ -56,13 +58,21 @@ from meshlift.graph import (
     encode_outputs,
     is_graph_leaf,
     is_graph_type,
+    raw,
 )
 from meshlift.mesh import current_mesh
-from meshlift.paths import Path, PlanError, TraceLeakError, format_path, listing
+from meshlift.paths import (
+    Path,
+    PlanError,
+    StructureChangedError,
+    TraceLeakError,
+    format_path,
+    listing,
+)
 from meshlift.plugins import get_backend
 from meshlift.sharding import StateSharding, is_spec
 from meshlift.stages import Lowered, Traced
-from meshlift.structure import per_type
+from meshlift.structure import StaticValues, per_type
 
 Params = ParamSpec("Params")  # the lifted function's parameters
 Result = TypeVar("Result")  # and what it returns
@@ -70,6 +80,13 @@ Result = TypeVar("Result")  # and what it returns
 MeshLike: TypeAlias = Mesh | AbstractMesh | Callable[[], Mesh | AbstractMesh | None] | None
 
 _MAX_LAYOUTS = 8  # argument layouts remembered per lifted function
+# jax.jit aliases a mutable array reference to an output of its own, and may give a donated
+# buffer that same output: XLA then fails (seen on jax 0.10.2). Donation is a hint.
+_REF_DONATION = (
+    "{} takes ref=True Variables (mutable array references), so nothing is donated on this "
+    "call: XLA can fail to alias a donated buffer beside a reference (jax 0.10). Donate in "
+    "calls without references, or make those Variables plain"
+)
 # the staged function's four inputs, as JAX's messages name them
 _INPUT_GROUPS = {"kept_vars": 0, "kept_dyn": 1, "donated_vars": 2, "donated_dyn": 3}
 _STAGED_INPUT = re.compile(r"\b(kept_vars|kept_dyn|donated_vars|donated_dyn)\[(\d+)\]")
@@ -117,7 +134,6 @@ class Lifted(Generic[Params, Result]):
                 f"{type(mesh).__name__}: {mesh!r}; make one with `ml.make_mesh({shape})`"
             )
         functools.update_wrapper(self, fun)
-        self.fun = fun
         self.backend = get_backend(backend)
         self.in_name, self.out_name = spec_names
         self.in_specs = _checked_specs(in_specs, self.in_name)
@@ -125,9 +141,15 @@ class Lifted(Generic[Params, Result]):
         self.meshless_specs = meshless_specs
         self.mesh = mesh
         self.options = dict(options or {})
-        self.signature = Signature(
-            fun, static_argnums, static_argnames, donate_argnums, donate_argnames
-        )
+        argnums = (static_argnums, static_argnames, donate_argnums, donate_argnames)
+        self._receiver = _graph_receiver(fun)
+        if self._receiver is not None:  # `m.method`: m becomes the first argument of each call
+            Signature(fun, *argnums)  # jax.jit's checks, against the signature the caller sees
+            fun, argnums = fun.__func__, _after_receiver(*argnums)  # type: ignore[attr-defined]
+            self.in_specs, self.meshless_specs = _with_receiver_spec(in_specs, meshless_specs)
+        self.fun = fun
+        self.signature = Signature(fun, *argnums)
+        self._graph_context = compat.graph_context()
         self._layouts = _LayoutCache()
         self._last: _Repeat | None = None  # the last call, if the next may skip the lookup
         self._plan: speedups.CallPlan | None = None  # the last call's, if the next may repeat it
@@ -147,28 +169,36 @@ class Lifted(Generic[Params, Result]):
         return self if obj is None else _BoundLifted(self, obj)
 
     def __call__(self, *args: Params.args, **kwargs: Params.kwargs) -> Result:
+        if self._receiver is not None:
+            args = (self._receiver, *args)  # type: ignore[assignment]
+        cached = self._graph_context.tmp_static_cache is not None
+        if cached:  # called by nnx.cached_partial: take its cache, as flax's transforms do
+            self._graph_context.tmp_static_cache = None
         plan = self._plan
         if plan is not None and not kwargs:
             inputs = speedups.plan_inputs(plan, args)
             if inputs is not None:
-                return self._run_planned(plan, args, inputs)
+                return self._run_planned(plan, args, inputs, cached)
         layout, call = self._layout(args, kwargs)
+        call.fixed_structure = cached
         result = layout.run(layout.staged, call)
-        self._plan = self._plan_after(layout)
+        self._plan = self._plan_after(layout) if modes.fast_paths else None
         return result
 
-    def _run_planned(self, plan: speedups.CallPlan, args: tuple, inputs: tuple) -> Any:
+    def _run_planned(
+        self, plan: speedups.CallPlan, args: tuple, inputs: tuple, cached: bool
+    ) -> Any:
         """A call that `plan` matched: its inputs read, its outputs written back, each in
         one step; an error, a retrace or a value that is no array goes the general way."""
         layout = plan.layout
         try:
             outputs = plan.staged(*inputs)
         except Exception as error:
-            call = _Call.of_arguments(args, plan.node_positions)
+            call = _Call.of_arguments(args, plan.node_positions, cached)
             return layout.recover(error, plan.staged, layout.split.gather(), None, call)
         if speedups.plan_write(plan, outputs):
             return outputs[2]
-        call = _Call.of_arguments(args, plan.node_positions)
+        call = _Call.of_arguments(args, plan.node_positions, cached)
         result = layout.finish(outputs, layout.split.gather(), None, call)
         self._plan = self._plan_after(layout)
         return result
@@ -222,22 +252,26 @@ class Lifted(Generic[Params, Result]):
 
     def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back."""
-        layout, call = self._layout(args, kwargs)
+        layout, call = self._layout(self._bound(args), kwargs)
         with layout.named_errors(call):
             return Traced(layout.staged.trace(*layout.placed_inputs(call)), layout)
 
     def lower(self, *args: Params.args, **kwargs: Params.kwargs) -> Lowered:
         """Lower for these arguments; `.compile()` gives a `Compiled` called like this
         function, without the static arguments (they are part of the program)."""
-        layout, call = self._layout(args, kwargs)
+        layout, call = self._layout(self._bound(args), kwargs)
         with layout.named_errors(call):
             return Lowered(layout.staged.lower(*layout.placed_inputs(call)), layout)
 
     def eval_shape(self, *args: Params.args, **kwargs: Params.kwargs) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
-        layout, call = self._layout(args, kwargs)
+        layout, call = self._layout(self._bound(args), kwargs)
         with layout.named_errors(call):
             return layout.eval_shape(call)
+
+    def _bound(self, args: tuple) -> tuple:
+        """The arguments with the receiver of a lifted bound method first."""
+        return args if self._receiver is None else (self._receiver, *args)
 
     @property
     def fun_name(self) -> str:
@@ -278,22 +312,25 @@ class Lifted(Generic[Params, Result]):
         `mesh` overrides the call-site lookup (a compiled object keeps its mesh).
         """
         mesh = self._call_site_mesh() if mesh is None else mesh
-        last = self._last
+        last = self._last if modes.fast_paths else None
         if last is not None and not kwargs and last.mesh is mesh and last.matches(args):
             call = _Call.of_arguments(args, last.positions)
             if last.layout.split.unchanged():
                 return last.layout, call
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
+        if kwargs and self.specs_on(mesh)[0] is not None:
+            self._refuse_keywords(kwargs)
         leaves, treedef = _flatten_arguments(args, kwargs)
-        positions = _node_positions(tuple(map(type, leaves)))
+        types = tuple(map(type, leaves))
+        positions = _node_positions(types)
         nodes = tuple(map(leaves.__getitem__, positions))
-        key: tuple[Any, ...] = (treedef, statics, positions, tuple(map(id, nodes)), mesh)
+        key: tuple[Any, ...] = (treedef, static_key(statics), types, tuple(map(id, nodes)), mesh)
         passed = self._passed.get(treedef) if self._passed else None
         if passed:
             key += tuple(_pass_key(leaves[i]) for i in passed)
         call = _Call(leaves, nodes)
         try:
-            layout = self._layouts.get(key)
+            layout = self._layouts.get(key) if modes.fast_paths else None
         except TypeError:  # an unhashable value passed through: _Layout names it
             layout = None
         if layout is None or not layout.split.unchanged():
@@ -304,6 +341,15 @@ class Lifted(Generic[Params, Result]):
         repeatable = not (kwargs or statics or passed) and treedef is _flat_treedef(len(args))
         self._last = _Repeat.of(args, positions, mesh, layout) if repeatable else None
         return layout, call
+
+    def _refuse_keywords(self, kwargs: dict) -> None:
+        """Refuse dynamic keyword arguments next to specs, as `jax.jit` does."""
+        raise ValueError(
+            f"{self.fun_name} was called with the keyword argument(s) {', '.join(sorted(kwargs))}"
+            f" while {self.in_name} is given: as jax.jit does not support kwargs when "
+            f"in_shardings is specified, keyword arguments cannot take specs. Pass them "
+            f"positionally (with a spec each), or mark them static (static_argnames)"
+        )
 
     def _call_site_mesh(self) -> Any:
         """`mesh=` if given (called, if it is a function), else the `ml.use_mesh` mesh."""
@@ -349,17 +395,21 @@ class _BoundLifted:
 
 
 class _Call:
-    """One call's argument leaves (graph nodes are leaves) and its graph nodes."""
+    """One call's argument leaves (graph nodes are leaves) and its graph nodes.
 
-    __slots__ = ("leaves", "nodes")
+    `fixed_structure`: made by `nnx.cached_partial`, whose nodes are copies of the
+    caller's sharing its Variables, so only new values can reach the caller.
+    """
 
-    def __init__(self, leaves: list[Any], nodes: tuple[Any, ...]):
-        self.leaves, self.nodes = leaves, nodes
+    __slots__ = ("fixed_structure", "leaves", "nodes")
+
+    def __init__(self, leaves: list[Any], nodes: tuple[Any, ...], fixed_structure: bool = False):
+        self.leaves, self.nodes, self.fixed_structure = leaves, nodes, fixed_structure
 
     @classmethod
-    def of_arguments(cls, args: tuple, positions: tuple[int, ...]) -> _Call:
+    def of_arguments(cls, args: tuple, positions: tuple[int, ...], fixed: bool = False) -> _Call:
         """The call of arguments that are all leaves, graph nodes at `positions`."""
-        return cls(list(args), tuple(map(args.__getitem__, positions)))
+        return cls(list(args), tuple(map(args.__getitem__, positions)), fixed)
 
 
 class _Repeat:
@@ -516,7 +566,14 @@ class PureFunction:
             leaves[i] = value
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         fun = self.fun_ref()
-        out = fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
+        statics = StaticValues(rebuilt.nodes)  # the caller's own objects, shared by the trace
+        try:
+            out = fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
+        finally:
+            changed_in_place = statics.changed()
+            undone = not changed_in_place or statics.restore()
+        if changed_in_place:
+            self._refuse_static_changes(changed_in_place, undone)
 
         ref_index, new_values, update = rebuilt.changes(
             self.unchanged_graphdef, self.leaf_position, self.arrays
@@ -527,7 +584,8 @@ class PureFunction:
             changed = tuple(
                 i
                 for i, (new, old) in enumerate(zip(new_values, values, strict=True))
-                if new is not old or i in self.donated or not hasattr(old, "shape")
+                if (new is not old or i in self.donated or not hasattr(old, "shape"))
+                and not (new is old and compat.is_ref(old))  # a reference, mutated through
             )
             kept = frozenset(changed)
             var_out = tuple(v if i in kept else None for i, v in enumerate(new_values))
@@ -537,7 +595,7 @@ class PureFunction:
             for value, source in zip(new_values, update.sources, strict=True):
                 if source is None:
                     extra.append(value)
-                else:
+                elif source not in update.in_place:
                     var_list[source] = value
             changed, var_out = (), tuple(var_list)
         container = type(out)
@@ -548,6 +606,17 @@ class PureFunction:
             changed, update, outputs, container if type(out) is not container else None
         )
         return var_out, tuple(extra), user_out, _Aux(info)
+
+    def _refuse_static_changes(self, paths: list[Path], undone: bool) -> None:
+        shown = listing(format_path((self.names[p[0]], *p[1:])) for p in paths)  # type: ignore[call-overload]
+        raise StructureChangedError(
+            f"{self.__name__} changed {shown} in place. Static values are compiled into the "
+            f"program, and JAX runs the function's Python once per compile: later calls would "
+            f"run without the change. "
+            + ("It was undone and nothing" if undone else "It could not be undone; nothing else")
+            + " was written back. Assign a new value instead (`model.cfg = Config(...)`), or "
+            "change it outside the lifted function."
+        )
 
 
 class _Layout:
@@ -573,6 +642,9 @@ class _Layout:
         names = [format_path(self.leaf_paths[i]) for i in self.node_pos]
         self.split = GraphSplit(call.nodes, names)
         donated = sig.donated_leaves(args, kwargs, statics)
+        if any(donated) and any(compat.is_ref(raw(leaf)) for leaf in self.split.leaves):
+            donated = [False] * len(donated)  # XLA cannot alias both: see _REF_DONATION
+            warnings.warn(_REF_DONATION.format(lifted.fun_name), UserWarning, stacklevel=4)
         self.var_shardings, self.dyn_shardings = self._in_shardings(args, leaves)
         dyn_shardings = self.dyn_shardings
         passes = lifted.backend.passes_through_none
@@ -598,7 +670,20 @@ class _Layout:
             tuple(dyn_shardings[i] for i in self.dyn_groups[1]),
         )
         donate_argnums = (2, 3) if self.donated else ()
-        key = (self.split.key, treedef, statics, in_shardings, donate_argnums, mesh, passed)
+        # Everything the pure function is made of besides its arrays: where the graph nodes
+        # sit, which leaves are donated, static values by type; never an identity.
+        key = (
+            self.split.key,
+            treedef,
+            static_key(statics),
+            self.node_pos,
+            self.var_groups,
+            self.dyn_groups,
+            in_shardings,
+            donate_argnums,
+            mesh,
+            passed,
+        )
         if key not in lifted._staged:
             out_shardings = (self.var_shardings, None, self._out_shardings(call), None)
             spec = StageSpec(
@@ -832,10 +917,22 @@ class _Layout:
     ) -> Any:
         """Validate every write, then make them; the index map to decode outputs with."""
         split = self.split
+        if info.update is not None and call.fixed_structure:
+            raise StructureChangedError(
+                f"{self.lifted.fun_name} changed the structure of its arguments (a new, "
+                f"replaced or deleted attribute) under nnx.cached_partial, which keeps the "
+                f"structure it was given, as under nnx.jit: nothing was written back. Change "
+                f"only values there, or call the lifted function without cached_partial."
+            )
         if info.update is not None:
             leaves = info.update.leaves(var_out, extra)
             self._check_no_leak(leaves, info.update.sources, info.update.paths)
-            return info.update.apply(leaves, split.index_map(call.nodes))
+            index_map = info.update.apply(leaves, split.index_map(call.nodes))
+            if placed is not None:  # a reference placed anew was updated through: keep it
+                moved = [i for i, value in enumerate(values) if placed[i] is not value]
+                refs = [i for i in moved if compat.is_ref(values[i])]
+                split.scatter(refs, [placed[i] for i in refs], call.nodes)
+            return index_map
         if placed is None:
             positions, new = info.changed, info.pick_changed(var_out)
         else:
@@ -955,16 +1052,20 @@ class _Layout:
         """One sharding per Variable (split order) and per other leaf (by leaf position)."""
         lifted = self.lifted
         positional = lifted.signature.positional_prefix(
-            lifted.specs_on(self.mesh)[0], args, lifted.in_name, lifted.fun_name, self.kwarg_names
+            lifted.specs_on(self.mesh)[0], args, lifted.in_name, lifted.fun_name
         )
         prefix = resolve.broadcast_prefix(positional, args, lifted.in_name, "arguments")
-        prefix += [None] * (len(leaves) - len(prefix))  # kwargs take no specs, as in jax.jit
-        position = {id(v): i for i, v in enumerate(self.split.leaves)}
+        prefix += [None] * (len(leaves) - len(prefix))  # keyword arguments: given no specs
+        split = self.split
+        position: dict[Any, int] = {  # a Variable by identity; an array by where it is stored
+            id(v) if isinstance(v, nnx.Variable) else p: i
+            for i, (p, v) in enumerate(zip(split.paths, split.leaves, strict=True))
+        }
         node_specs = [
             (format_path(self.leaf_paths[pos]), leaves[pos], prefix[pos]) for pos in self.node_pos
         ]
         var_shardings = resolve.variable_shardings(
-            node_specs, position, len(position), self.mesh, lifted.in_name
+            node_specs, position, len(split.leaves), self.mesh, lifted.in_name
         )
         dyn_shardings = {
             pos: resolve.leaf_sharding(
@@ -1111,6 +1212,41 @@ def _spec_key(specs: Any) -> Hashable:
     return treedef, tuple(leaves)
 
 
+def _graph_receiver(fun: Callable[..., Any]) -> Any:
+    """The graph node a bound method `fun` belongs to (it is lifted as an argument, read
+    afresh at each call, never captured), else None."""
+    receiver = getattr(fun, "__self__", None)
+    if isinstance(fun, types.MethodType) and is_graph_leaf(receiver):
+        return receiver
+    return None
+
+
+def _after_receiver(
+    static_argnums: Any, static_argnames: Any, donate_argnums: Any, donate_argnames: Any
+) -> tuple[Any, Any, Any, Any]:
+    """The argument options of a bound method for its function, the receiver first."""
+
+    def shifted(nums: Any) -> Any:
+        if nums is None:
+            return None
+        nums = (nums,) if isinstance(nums, int) else tuple(nums)
+        return tuple(i + 1 if i >= 0 else i for i in nums)
+
+    return shifted(static_argnums), static_argnames, shifted(donate_argnums), donate_argnames
+
+
+def _with_receiver_spec(in_specs: Any, meshless_specs: Any) -> tuple[Any, Any]:
+    """Specs of a bound method's arguments, with `None` (unspecified) for the receiver
+    where they are given per argument."""
+
+    def prepended(specs: Any) -> Any:
+        return (None, *specs) if isinstance(specs, tuple | list) else specs
+
+    if meshless_specs is not None:
+        meshless_specs = (prepended(meshless_specs[0]), meshless_specs[1])
+    return prepended(in_specs), meshless_specs
+
+
 def _checked_specs(specs: Any, what: str) -> Any:
     """Refuse a graph node given where specs go, when the function is lifted."""
     node = next((s for s in resolve.spec_leaves(specs) if is_graph_leaf(s)), None)
@@ -1187,12 +1323,13 @@ def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
     ]
     if not misplaced:
         return None
-    moved = jax.device_put([values[i] for i in misplaced], [shardings[i] for i in misplaced])
+    arrays = [values[i][...] if compat.is_ref(values[i]) else values[i] for i in misplaced]
+    moved = jax.device_put(arrays, [shardings[i] for i in misplaced])
     if isinstance(moved[0], jax.core.Tracer):  # device_put was staged into an outer trace
         return None
     placed = list(values)
-    for i, value in zip(misplaced, moved, strict=True):
-        placed[i] = value
+    for i, value in zip(misplaced, moved, strict=True):  # a reference: a new one, placed
+        placed[i] = compat.new_ref(value) if compat.is_ref(values[i]) else value
     return placed
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from meshlift.graph import is_graph_leaf, variable_paths
@@ -119,22 +120,26 @@ def _one_level(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 def variable_shardings(
     node_specs: Sequence[tuple[str, Any, Any]],
-    variable_position: Mapping[int, int],
+    leaf_position: Mapping[Any, int],
     count: int,
     mesh: Any,
     what: str,
 ) -> tuple[Sharding | None, ...]:
-    """One sharding per Variable of a split, from each top-level node's spec.
+    """One sharding per leaf of a split, from each top-level node's spec.
 
     `node_specs` holds `(name, node, spec)` per top-level graph node;
-    `variable_position` maps `id(variable)` to its split position. A shared
-    Variable reached by two paths must get one spec from both.
+    `leaf_position` maps `id(variable)` of each Variable, and the split path
+    (`(k, *path)`, node `k`) of each array stored on a module, to its split
+    position. A shared Variable reached by two paths must get one spec from both.
     """
     shardings: list[Sharding | None] = [None] * count
     origin: dict[int, tuple[str, Any]] = {}
     matched: dict[int, set[int]] = {}  # id(plan) -> indices of rules that matched a Variable
-    for name, node, node_spec in node_specs:
+    for k, (name, node, node_spec) in enumerate(node_specs):
         for path, variable in variable_paths(node):
+            key = id(variable) if isinstance(variable, nnx.Variable) else (k, *path)
+            if key not in leaf_position:
+                continue  # an array on a shared module, met again by another path
             full = format_path((name, *path))
             if isinstance(node_spec, StateSharding):
                 rule = node_spec.rule_for(path, variable)
@@ -142,7 +147,7 @@ def variable_shardings(
                 spec = node_spec.rules[rule][2]
             else:
                 spec = node_spec
-            i = variable_position[id(variable)]
+            i = leaf_position[key]
             if i not in origin:
                 origin[i] = (full, spec)
                 shardings[i] = to_sharding(spec, mesh, full, variable, what)

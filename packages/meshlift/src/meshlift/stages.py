@@ -98,6 +98,7 @@ class Compiled(_Stage):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layout = self._layout
+        args = layout.lifted._bound(args)  # a bound method's receiver first
         if len(args) != layout.arg_count or set(kwargs) != set(layout.kwarg_names):
             statics = [layout.lifted.signature.name(where) for where, _ in layout.statics]
             raise TypeError(

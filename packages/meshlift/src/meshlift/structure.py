@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import gc
 import operator
 import types
 import weakref
@@ -46,8 +47,10 @@ _T = TypeVar("_T")
 # Immutable values compared by value.
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type, enum.Enum)
 # Mutable buffers: compared by their bytes.
-_BUFFERS = (bytearray, array.array)
-# Not looked into: code, and flax's immutable mappings (replaced, never mutated).
+_BUFFERS = (bytearray, array.array, memoryview)
+# Where `obj.__class__` is read (a getset descriptor: one C loop checks many objects' types).
+_CLASS = object.__dict__["__class__"]
+# Compared as themselves: code, and flax's immutable mappings (replaced, never mutated).
 _OPAQUE = (
     types.FunctionType,
     types.BuiltinFunctionType,
@@ -101,7 +104,7 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
         return (cls, x.maxlen, tuple(map(fp, x)))
     if isinstance(x, _BUFFERS):
         return (cls, getattr(x, "typecode", None), _buffer_contents(x))
-    if isinstance(x, dict | graphlib.HashableMapping):
+    if isinstance(x, dict | graphlib.HashableMapping | types.MappingProxyType):
         extra = fp(getattr(x, "default_factory", None))
         return (cls, tuple((fp(k), fp(v)) for k, v in x.items()), extra)
     if isinstance(x, set | frozenset):
@@ -117,20 +120,20 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
         return (cls, x.shape, str(x.dtype), np.asarray(x).tobytes())
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (cls, tuple(fp(getattr(x, f.name, None)) for f in dataclasses.fields(x)))
-    if isinstance(x, _OPAQUE) or _has_value_equality(cls):
-        try:
-            hash(x)
-            return x
-        except TypeError:
-            pass
+    if (isinstance(x, _OPAQUE) or _has_value_equality(cls)) and _hashable(x):
+        return x
     fields = _fields(x, fp)
     if fields is not None:
         return (cls, fields)
+    return x if _hashable(x) else _Identity(x)
+
+
+def _hashable(x: Any) -> bool:
     try:
         hash(x)
-    except TypeError:
-        return _Identity(x)
-    return x
+    except Exception:  # TypeError, or what a __hash__ of its own raises
+        return False
+    return True
 
 
 def _fields(x: Any, fp: Any) -> Hashable | None:
@@ -151,17 +154,25 @@ def _has_value_equality(cls: type) -> bool:
 def _holds_static_values(obj: Any) -> bool:
     """Whether flax keeps what `obj` holds as static: `obj` is neither a graph node nor a
     JAX pytree node (a list, dict, tuple or registered class), whose leaves are data."""
-    if graphlib.is_graph_node(obj):
+    if graphlib.is_graph_node(obj) or isinstance(obj, dict | list | tuple):
         return False
-    leaves = jax.tree_util.tree_leaves(obj, is_leaf=lambda x: x is not obj)
+    try:
+        leaves = jax.tree_util.tree_leaves(obj, is_leaf=lambda x: x is not obj)
+    except Exception:  # a pytree node whose keys do not sort, say: not a leaf
+        return False
     return len(leaves) == 1 and leaves[0] is obj
 
 
 def _buffer_contents(buffer: Any) -> Hashable:
-    """What a buffer holds now: a NumPy array's shape, dtype and bytes; another's bytes."""
+    """What a buffer holds now: a NumPy array's shape, dtype and bytes; another's bytes
+    (a memoryview's with its format and shape)."""
     if isinstance(buffer, np.ndarray):
         return (buffer.shape, buffer.dtype.str, buffer.tobytes())
-    return bytes(memoryview(buffer))
+    try:
+        view = memoryview(buffer)
+        return (view.format, view.shape, view.tobytes())
+    except ValueError:  # a released memoryview
+        return ("released",)
 
 
 @per_type
@@ -183,6 +194,180 @@ def _slot_names(cls: type) -> tuple[str, ...]:
             if name not in ("__dict__", "__weakref__") and name not in names:
                 names.append(name)
     return tuple(names)
+
+
+@functools.cache
+def _unchanging() -> tuple[type, ...]:
+    """Types of objects that are not looked into for changes made in place: values, code,
+    modules, flax's bookkeeping. (Functions and methods are: their defaults and cells.)"""
+    opaque = tuple(t for t in _OPAQUE if t not in (types.FunctionType, types.MethodType))
+    return _ATOMS + opaque + compat.bookkeeping_types()
+
+
+_FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
+
+
+def _cell_contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # not assigned yet
+        return _MISSING
+
+
+@per_type
+def _builtin_type(cls: type) -> bool:
+    """Whether `cls` is a type of the interpreter's own, whose instances keep their class."""
+    return cls.__module__ == "builtins"
+
+
+class StaticValues:
+    """The static values held by some graph nodes, and a shallow copy of every mutable object
+    they reach, to notice and undo a change made in place: a function being traced runs its
+    Python once per compile, so such a change would not happen again on later calls.
+
+    Example:
+
+    ```python
+    from meshlift.structure import StaticValues
+
+    model = nnx.Module()
+    model.sizes = [1, 2]
+    statics = StaticValues((model,))
+    model.sizes.append(3)
+    assert statics.changed() == [(0, "sizes")]
+    statics.restore()
+    assert model.sizes == [1, 2]
+    ```
+    """
+
+    def __init__(self, nodes: tuple[Any, ...]):
+        self._values = [(path, value, fingerprint(value)) for path, value in _static_values(nodes)]
+        self._copies: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for _, value, _ in self._values:
+            self._copy(value, seen)
+
+    def changed(self) -> list[tuple[Any, ...]]:
+        """The paths (top-level position first) of values changed in place since."""
+        return [path for path, value, before in self._values if fingerprint(value) != before]
+
+    def restore(self) -> bool:
+        """Put back what every object held; False if some change could not be undone."""
+        for obj, contents in self._copies:
+            with contextlib.suppress(Exception):
+                _put_back(obj, contents)
+        return not self.changed()
+
+    def _copy(self, obj: Any, seen: set[int]) -> None:
+        """A shallow copy of `obj` and of each mutable object it reaches."""
+        if isinstance(obj, _unchanging()) or id(obj) in seen or graphlib.is_graph_node(obj):
+            return
+        seen.add(id(obj))
+        contents, children = _shallow(obj)
+        if contents is not _MISSING:
+            self._copies.append((obj, contents))
+        for child in children:
+            self._copy(child, seen)
+
+
+def _static_values(nodes: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], Any]]:
+    """(path, value) of every static attribute below `nodes` that could change in place."""
+    found: list[tuple[tuple[Any, ...], Any]] = []
+    seen: set[int] = set()
+    skip: tuple[type, ...] = (*_unchanging(), nnx.Variable, jax.Array, np.ndarray)
+
+    def visit(node: Any, path: tuple[Any, ...]) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        impl: Any = graphlib.get_node_impl(node)
+        for key, value in impl.node_dict(node).items():
+            if isinstance(key, str) and key.startswith("_pytree__"):
+                continue  # flax's bookkeeping
+            if isinstance(value, skip):
+                continue  # a Variable, an array (data), or immutable
+            if graphlib.is_graph_node(value):
+                visit(value, (*path, key))
+            elif not _holds_data(value):
+                found.append(((*path, key), value))
+
+    for i, node in enumerate(nodes):
+        if graphlib.is_graph_node(node) and not isinstance(node, nnx.Variable):
+            visit(node, (i,))
+    return found
+
+
+def _holds_data(value: Any) -> bool:
+    """Whether a pytree attribute holds graph nodes or arrays (flax flattens it: data)."""
+    try:
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=graphlib.is_graph_node)
+    except Exception:  # keys that do not sort, say: not a pytree flax flattens
+        return False
+    return any(graphlib.is_graph_node(x) or isinstance(x, jax.Array | np.ndarray) for x in leaves)
+
+
+def _shallow(obj: Any) -> tuple[Any, list[Any]]:
+    """What `obj` holds (to put back; `_MISSING` if it cannot change in place), and the
+    objects it holds."""
+    if isinstance(obj, types.MappingProxyType):
+        return _MISSING, [r for r in gc.get_referents(obj) if isinstance(r, dict)]
+    if isinstance(obj, types.FunctionType):
+        cells = list(obj.__closure__ or ())
+        parts = (obj.__code__, obj.__defaults__, obj.__kwdefaults__)
+        return parts, [*parts[1:], *cells]
+    if isinstance(obj, types.CellType):
+        contents = _cell_contents(obj)
+        return contents, [contents]
+    if isinstance(obj, types.MethodType):
+        return _MISSING, [obj.__func__, obj.__self__]
+    if isinstance(obj, np.ndarray | array.array):
+        return obj[:].copy() if isinstance(obj, np.ndarray) else type(obj)(obj.typecode, obj), []
+    if isinstance(obj, _BUFFERS):
+        return bytes(memoryview(obj)), []  # a bytearray's or memoryview's bytes
+    if isinstance(obj, dict):
+        return dict(obj), [*obj.keys(), *obj.values()]
+    if isinstance(obj, list | collections.deque | set):
+        return type(obj)(obj), list(obj)
+    if isinstance(obj, tuple | frozenset):
+        return _MISSING, list(obj)
+    if isinstance(obj, functools.partial):
+        return _MISSING, [obj.func, obj.args, obj.keywords]
+    fields = getattr(obj, "__dict__", None)
+    slots = {name: getattr(obj, name, _MISSING) for name in _slot_names(type(obj))}
+    if not isinstance(fields, dict) and not slots:
+        return _MISSING, []
+    fields = dict(fields) if isinstance(fields, dict) else None
+    return (type(obj), fields, slots), [*(fields or {}).values(), *slots.values()]
+
+
+def _put_back(obj: Any, contents: Any) -> None:
+    """Make `obj` hold `contents` (from `_shallow`) again, in place."""
+    if isinstance(obj, types.FunctionType):
+        obj.__code__, obj.__defaults__, obj.__kwdefaults__ = contents
+    elif isinstance(obj, types.CellType):
+        obj.cell_contents = contents
+    elif isinstance(obj, np.ndarray):
+        obj[...] = contents
+    elif isinstance(obj, memoryview):
+        obj.cast("B")[:] = contents
+    elif isinstance(obj, _BUFFERS):
+        obj[:] = contents
+    elif isinstance(obj, dict | set):
+        obj.clear()
+        obj.update(contents)
+    elif isinstance(obj, list | collections.deque):
+        obj.clear()
+        obj.extend(contents)
+    else:
+        cls, fields, slots = contents
+        if type(obj) is not cls:
+            obj.__class__ = cls
+        if fields is not None and obj.__dict__ != fields:
+            obj.__dict__.clear()
+            obj.__dict__.update(fields)
+        for name, value in slots.items():
+            if value is not _MISSING:
+                object.__setattr__(obj, name, value)
 
 
 class _Missing:
@@ -300,6 +485,7 @@ class Watcher:
     """
 
     def __init__(self, nodes: Any):
+        self._typed: list[Any] = []  # objects whose class may be swapped (`obj.__class__ = ...`)
         slots = compat.variable_slots()
         self._metadata_slot = None if slots is None else slots.metadata
         self._read_metadata: Callable[[Any], Any] = (
@@ -314,8 +500,10 @@ class Watcher:
         self._holders: list[Any] = []  # objects, a top-level node through a weakref
         self._held: list[dict] = []  # the attribute dict each holds
         self._root_ids = {id(node) for node in nodes}
-        self._skip = _ATOMS + _OPAQUE + compat.bookkeeping_types()
+        self._skip = _unchanging()
         self._watch(nodes, set())
+        self._typed_tuple = tuple(self._typed)
+        self._types = tuple(map(type, self._typed))
         self._variable_tuple = tuple(self._variables)
         self._holder_tuple, self._held_tuple = tuple(self._holders), tuple(self._held)
         containers = (self._sequences, self._sets, self._slotted, self._buffers)
@@ -341,6 +529,8 @@ class Watcher:
         # obj.__dict__ = {...} swaps in another dict; the snapshot and watchers hold the old
         if not speedups.same_dicts(self._holder_tuple, self._held_tuple):
             return False
+        if not speedups.read_each_is(_CLASS, self._typed_tuple, self._types):
+            return False  # obj.__class__ = ...: a Variable's type, a configuration's class
         if self._by_watchers:
             return self._unchanged_by_watchers()
         if self._everything.same() and self._same_metadata_items():
@@ -424,6 +614,8 @@ class Watcher:
         if isinstance(obj, self._skip) or id(obj) in seen:
             return
         seen.add(id(obj))
+        if id(obj) not in self._root_ids and not _builtin_type(type(obj)):
+            self._typed.append(obj)  # a top-level node's type is part of the layout's key
         if isinstance(obj, nnx.Variable):
             self._variables.append(obj)  # its metadata is compared by value, see unchanged()
             for value in self._read_metadata(obj).values():
@@ -435,9 +627,18 @@ class Watcher:
         if hasattr(obj, "shape") and hasattr(obj, "dtype"):  # an array: data, or immutable
             return
         children: Iterable[Any] = ()
-        if isinstance(obj, dict):
+        if isinstance(obj, types.MappingProxyType):  # watch the dict it shows
+            children = [r for r in gc.get_referents(obj) if isinstance(r, dict)]
+        elif isinstance(obj, types.MethodType):
+            children = (obj.__func__, obj.__self__)
+        elif isinstance(obj, types.FunctionType):  # what the fingerprint reads of it
+            self._slotted.append((obj, _FUNCTION_PARTS))
+            cells = [cell for cell in obj.__closure__ or () if _cell_contents(cell) is not _MISSING]
+            self._slotted += [(cell, ("cell_contents",)) for cell in cells]
+            children = [obj.__defaults__, obj.__kwdefaults__, *map(_cell_contents, cells)]
+        elif isinstance(obj, dict):
             self._dicts.append(obj)
-            children = list(obj.values())
+            children = [*obj.keys(), *obj.values()]  # a key may be an object changed in place
         elif isinstance(obj, list | collections.deque):
             self._sequences.append(obj)
             children = list(obj)
@@ -449,6 +650,8 @@ class Watcher:
         elif isinstance(obj, functools.partial):
             children = (obj.func, obj.args, obj.keywords)
         attributes = getattr(obj, "__dict__", None)
+        if isinstance(obj, types.FunctionType):
+            attributes = None  # the fingerprint reads a function's code, defaults and cells
         if isinstance(attributes, dict) and not isinstance(obj, type):
             self._dicts.append(attributes)
             self._hold(obj, attributes)

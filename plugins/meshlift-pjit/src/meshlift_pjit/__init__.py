@@ -134,9 +134,9 @@ def pjit(
     Spec trees are pytree prefixes of the positional arguments and the output,
     with `PartitionSpec`, `NamedSharding`, `StateSharding` or `None`
     (replicated) leaves; lists are read as tuples. `in_shardings` and
-    `out_shardings` are the later names of the same arguments. Keyword
-    arguments of `fun` are allowed and, as in `jax.jit`, take no specs.
-    `keep_unused` is `jax.jit`'s.
+    `out_shardings` are the later names of the same arguments. As in old
+    `pjit` and `jax.jit`, keyword arguments are refused when specs are
+    given, unless static. `keep_unused` is `jax.jit`'s.
 
     Example:
 

@@ -58,6 +58,13 @@ def graph_mode_jit(fun: Callable[..., Any], **options: Any) -> Callable[..., Any
     return jit(fun, **dict.fromkeys(switches, True), **options)
 
 
+def graph_mode_cached_partial(fun: Callable[..., Any], *nodes: Any) -> Callable[..., Any]:
+    """`nnx.cached_partial` in flax's graph mode, whatever the global mode (it exists only
+    there), as `graph_mode_jit` is `nnx.jit`'s."""
+    switches = inspect.signature(nnx.cached_partial).parameters.keys() & {"graph", "graph_updates"}
+    return nnx.cached_partial(fun, *nodes, **dict.fromkeys(switches, True))
+
+
 class MLP(nnx.Module):
     """`linear1` column parallel, `linear2` row parallel (no bias, so one psum sums it)."""
 

@@ -1,0 +1,380 @@
+"""Silent wrong answers found from outside (jax's jit tests, flax's guides, an LLM job,
+generated programs), one test per class, each against its reference: `jax.jit`,
+`nnx.jit` or eager execution of the same code. The oracle
+(`test_oracle.py`, and each backend's conformance kit) generates their neighbours.
+"""
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import meshlift as ml
+from meshlift.testing.models import graph_mode_cached_partial, graph_mode_jit
+
+
+def _close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+# 1 -- where graph nodes sit among the arguments is part of the compile key -----------------
+
+
+def node_first(a, b):
+    return a(b) if isinstance(a, nnx.Module) else b(a) * 10
+
+
+def test_graph_nodes_swapped_between_positions_run_their_own_program():
+    layer, x = nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 2))
+    lifted = ml.jit(node_first)
+    _close(lifted(layer, x), node_first(layer, x))
+    _close(lifted(x, layer), node_first(x, layer))
+    _close(ml.jit(node_first)(x, layer), node_first(x, layer))  # a fresh wrapper too
+
+    def in_a_dict(d):
+        return node_first(d["a"], d["b"])
+
+    lifted = ml.jit(in_a_dict)
+    for d in ({"a": layer, "b": x}, {"a": x, "b": layer}):
+        _close(lifted(d), in_a_dict(d))
+
+
+# 2 -- donation by keyword deletes what jax.jit deletes ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "call"),
+    [
+        ({"donate_argnames": ("z", "y")}, lambda f, z, y, x: f(z=z, y=y, x=x)),
+        ({"donate_argnums": (0, 1)}, lambda f, z, y, x: f(z=z, y=y, x=x)),
+        ({"donate_argnums": (0, 1)}, lambda f, z, y, x: f(z, x=x, y=y)),
+        ({"donate_argnames": "y"}, lambda f, z, y, x: f(z, y, x)),
+        ({"donate_argnums": -1}, lambda f, z, y, x: f(z, y, x)),
+    ],
+)
+def test_donation_deletes_the_arrays_jax_jit_deletes(options, call):
+    def step(z, y, x):
+        return z + 1, y + 1, x + 1
+
+    deleted = []
+    for jit in (jax.jit, ml.jit):
+        arrays = [jnp.full(3, float(i)) for i in range(3)]
+        outputs = call(jit(step, **options), *arrays)
+        _close(
+            jnp.stack(outputs),
+            jnp.stack([a + 1 for a in (jnp.full(3, float(i)) for i in range(3))]),
+        )
+        deleted.append([a.is_deleted() for a in arrays])
+    assert deleted[1] == deleted[0]
+
+
+def test_stages_report_the_donation_jax_jit_reports():
+    def step(z, y, x):
+        return z + y + x
+
+    z, y, x = (jnp.ones(3) for _ in range(3))
+    expected = jax.jit(step, donate_argnames=("z", "y")).lower(z=z, y=y, x=x).args_info
+    actual = ml.jit(step, donate_argnames=("z", "y")).lower(z=z, y=y, x=x).args_info
+    assert {k: v.donated for k, v in actual[1].items()} == {
+        k: v.donated for k, v in expected[1].items()
+    }
+
+
+# 3 -- static arguments are compiled in by type, as jax.jit keys them ----------------------
+
+
+def test_static_arguments_of_equal_value_and_another_type_are_other_programs():
+    expected, lifted = jax.jit(jnp.asarray, static_argnums=0), ml.jit(jnp.asarray, static_argnums=0)
+    for value in (1, True, 1.0, (1,), (True,)):
+        want, got = expected(value), lifted(value)
+        assert (got.dtype, got.weak_type, got.tolist()) == (
+            want.dtype,
+            want.weak_type,
+            want.tolist(),
+        )
+
+
+# 4 -- what jax.jit refuses is refused, with its error ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fun", "options"),
+    [
+        (lambda a: a, {"static_argnums": 3}),
+        (lambda a: a, {"static_argnums": -2}),
+        (lambda a: a, {"static_argnames": "nope"}),
+        (lambda a: a, {"donate_argnums": 1}),
+        (lambda a: a, {"static_argnames": "a", "donate_argnames": "a"}),
+        (max, {"donate_argnames": "a"}),
+    ],
+)
+def test_options_jax_jit_refuses_raise_its_error(fun, options):
+    with pytest.raises(Exception) as expected:
+        jax.jit(fun, **options)
+    with pytest.raises(type(expected.value)) as actual:
+        ml.jit(fun, **options)
+    assert str(actual.value) == str(expected.value)
+
+
+def test_keyword_arguments_next_to_in_shardings_are_refused_as_jax_jit_refuses_them():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    in_shardings = (P(), P("data"))
+    x = jnp.ones((8, 2))
+    with pytest.raises(ValueError, match="does not support kwargs"):
+        jax.jit(
+            lambda a, b: a + b,
+            in_shardings=jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), in_shardings),
+        )(x, b=x)
+    lifted = ml.jit(lambda a, b: a + b, in_shardings=in_shardings, mesh=mesh)
+    with pytest.raises(ValueError, match=r"keyword argument\(s\) b .*does not support kwargs"):
+        lifted(x, b=x)
+    static = ml.jit(lambda a, b: a * b, in_shardings=(P(),), static_argnames="b", mesh=mesh)
+    _close(static(x, b=2.0), 2 * x)  # a static keyword takes no spec: allowed, as in jax.jit
+
+
+# 5 -- a bound method reads its module at each call ---------------------------------------
+
+
+class Scaler(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(8))
+
+    def apply(self, x):
+        self.w[...] += 1
+        return self.w[...] * x
+
+
+@pytest.mark.parametrize("backend", ["jit", "pjit", "shard_map"])
+def test_a_bound_method_reads_its_module_afresh_and_writes_back(backend):
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    lifted_model, eager_model, x = Scaler(), Scaler(), jnp.arange(8.0)
+    lifted = ml.transform(backend, lifted_model.apply, mesh=mesh, in_specs=(P(),), out_specs=P())
+    for value in (None, 5.0):
+        if value is not None:
+            lifted_model.w[...] = eager_model.w[...] = jnp.full(8, value)
+        _close(lifted(x), eager_model.apply(x))
+        _close(lifted_model.w[...], eager_model.w[...])
+    compiled = lifted.lower(x).compile()  # stages take the method's own arguments
+    _close(compiled(x), eager_model.apply(x))
+
+
+def test_a_bound_methods_options_count_its_own_arguments():
+    model = Scaler()
+    with pytest.raises(ValueError, match="only accepts 1 positional arguments"):
+        ml.jit(model.apply, static_argnums=1)
+    x = jnp.ones(8)
+    ml.jit(model.apply, donate_argnums=0)(x)
+    assert x.is_deleted()
+
+
+# 6 -- nnx.cached_partial ------------------------------------------------------------------
+
+
+def add_one(model, x):
+    model.w[...] += x
+    return model.w[...].sum()
+
+
+def test_cached_partial_runs_as_it_runs_over_nnx_jit():
+    lifted_model, reference_model = Scaler(), Scaler()
+    lifted = graph_mode_cached_partial(ml.jit(add_one), lifted_model)
+    reference = graph_mode_cached_partial(graph_mode_jit(add_one), reference_model)
+    for _ in range(3):
+        _close(lifted(jnp.ones(8)), reference(jnp.ones(8)))
+        _close(lifted_model.w[...], reference_model.w[...])
+
+
+def test_a_structure_change_under_cached_partial_is_refused_and_changes_nothing():
+    def grow(model, x):
+        model.extra = nnx.Param(x)
+        model.w[...] += 1
+        return x
+
+    model = Scaler()
+    with pytest.raises(ml.StructureChangedError, match="cached_partial"):
+        graph_mode_cached_partial(ml.jit(grow), model)(jnp.ones(2))
+    assert not hasattr(model, "extra")
+    _close(model.w[...], jnp.ones(8))
+
+
+# 7 -- a Variable's type changed in place -------------------------------------------------
+
+
+class Layer(nnx.Module):
+    def __init__(self):
+        self.kernel = nnx.Param(jnp.linspace(0.0, 1.0, 16).reshape(4, 4))
+
+
+def sgd_step(model, x):
+    if isinstance(model.kernel, nnx.Param):  # only Params are trained
+        model.kernel[...] -= 0.1 * jax.grad(lambda k: jnp.sum(k @ x))(model.kernel[...])
+
+
+@pytest.mark.parametrize("to", [nnx.BatchStat, nnx.Variable])
+def test_a_variable_whose_type_changed_in_place_is_seen(to):
+    lifted_model, reference_model, x = Layer(), Layer(), jnp.ones(4)
+    lifted, reference = ml.jit(sgd_step), graph_mode_jit(sgd_step)
+    for model, step in ((lifted_model, lifted), (reference_model, reference)):
+        step(model, x)
+        model.kernel.__class__ = to  # no longer a Param: not trained
+        step(model, x)
+    _close(lifted_model.kernel[...], reference_model.kernel[...])
+
+
+# 8 -- static values changed in place, of every kind --------------------------------------
+
+
+class Holder:
+    def __init__(self):
+        self.scale = 1.0
+
+    def get(self):
+        return self.scale
+
+
+@dataclasses.dataclass(eq=False)
+class Key:
+    scale: float
+
+
+class Swapped:
+    scale = 2.0
+
+
+class Plain:
+    def __init__(self):
+        self.scale = 1.0
+
+
+def _scale(config):
+    if isinstance(config, types.MappingProxyType):
+        return config["scale"]
+    if isinstance(config, dict):
+        return next(iter(config)).scale
+    if isinstance(config, types.MethodType):
+        return config()
+    return type(config).scale if isinstance(config, Swapped) else config.scale
+
+
+def _proxy_change():
+    items = {"scale": 1.0}
+    return types.MappingProxyType(items), lambda: items.update(scale=2.0)
+
+
+def _class_change():
+    config = Plain()
+    return config, lambda: setattr(config, "__class__", Swapped)
+
+
+def _key_change():
+    key = Key(1.0)
+    return {key: 0}, lambda: setattr(key, "scale", 2.0)
+
+
+def _method_change():
+    holder = Holder()
+    return holder.get, lambda: setattr(holder, "scale", 2.0)
+
+
+@pytest.mark.parametrize("make", [_proxy_change, _class_change, _key_change, _method_change])
+def test_a_static_value_changed_in_place_between_calls_is_seen(make):
+    config, change = make()
+    model = nnx.Module()
+    model.config, model.w = config, nnx.Param(jnp.ones(2))
+
+    def forward(m, x):
+        return m.w[...] * x * _scale(m.config)
+
+    lifted, x = ml.jit(forward), jnp.ones(2)
+    _close(lifted(model, x), forward(model, x))
+    change()
+    _close(lifted(model, x), forward(model, x))
+
+
+# 9 -- ref=True Variables swapped or aliased inside -----------------------------------------
+
+
+class Refs(nnx.Module):
+    def __init__(self):
+        self.c1 = nnx.Param(jnp.ones(8), ref=True)
+        self.c2 = nnx.Param(jnp.zeros(8), ref=True)
+
+
+def swap_refs(m):
+    m.c1[...] += 1
+    m.c1, m.c2 = m.c2, m.c1
+
+
+def alias_refs(m):
+    m.c1[...] += 1
+    m.c1 = m.c2
+
+
+@pytest.mark.parametrize("change", [swap_refs, alias_refs])
+@pytest.mark.parametrize("plan", [False, True])
+def test_ref_variables_changed_inside_come_back_as_eager_leaves_them(change, plan):
+    lifted_model, eager_model = Refs(), Refs()
+    old_c1 = lifted_model.c1
+    specs = {"in_shardings": P("model"), "mesh": ml.make_mesh({"data": 2, "model": 4})}
+    ml.jit(change, **(specs if plan else {}))(lifted_model)
+    change(eager_model)
+    for name in ("c1", "c2"):
+        _close(getattr(lifted_model, name)[...], getattr(eager_model, name)[...])
+    assert (lifted_model.c1 is lifted_model.c2) == (eager_model.c1 is eager_model.c2)
+    _close(old_c1[...], 2 * jnp.ones(8))  # the Variable dropped was updated in place
+
+
+# 10 -- a memoryview in a static config -----------------------------------------------------
+
+
+class Buffered:
+    def __init__(self):
+        self.buffer = memoryview(bytearray(b"\x01\x02"))
+
+
+def test_a_memoryview_in_a_static_config_is_read_and_its_changes_seen():
+    model = nnx.Module()
+    model.config, model.w = Buffered(), nnx.Param(jnp.ones(2))
+
+    def forward(m, x):
+        return m.w[...] * x * m.config.buffer[0]
+
+    lifted, x = ml.jit(forward), jnp.ones(2)
+    _close(lifted(model, x), forward(model, x))
+    model.config.buffer[0] = 7
+    _close(lifted(model, x), forward(model, x))
+
+
+# neighbours the oracle found -----------------------------------------------------------------
+
+
+def test_a_static_value_changed_in_place_inside_is_refused_and_undone():
+    model = nnx.Module()
+    model.config, model.w = Plain(), nnx.Param(jnp.ones(2))
+
+    def forward(m, x):
+        m.config.scale += 1  # runs once per compile under any jit: refused
+        return m.w[...] * x
+
+    with pytest.raises(ml.StructureChangedError, match=r"changed `m\.config` in place"):
+        ml.jit(forward)(model, jnp.ones(2))
+    assert model.config.scale == 1.0
+
+
+def test_one_array_held_by_two_modules_is_two_inputs_and_refused_when_donated():
+    shared = jnp.ones(8)
+    first, second = nnx.Module(), nnx.Module()
+    first.table = second.table = shared  # the same array object, on two modules
+
+    def total(a, b):
+        return a.table.sum() + b.table.sum()
+
+    assert float(ml.jit(total)(first, second)) == 16.0
+    with pytest.raises(ValueError, match=r"`a\.table` and `b\.table` hold the same array"):
+        ml.jit(total, donate_argnums=1)(first, second)
+    assert not shared.is_deleted()
