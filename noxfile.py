@@ -6,12 +6,15 @@
     python -m nox -s "compat(jax='0.12')"   # the whole suite on Python 3.12, jax 0.12
     python -m nox -t compat                 # ... on every supported (python, jax, flax) set
     python -m nox -s tests-jit -- -k donate -x   # arguments after -- go to pytest
+    python -m nox -s fuzz         # the differential oracle at length, from a random seed
     python -m nox -s lint bench demo
 
 Every session installs into a fresh venv with the pins in constraints.txt.
 """
 
 import json
+import os
+import random
 import re
 from pathlib import Path
 
@@ -36,7 +39,8 @@ def install(session: nox.Session, *extra: str, constraints: str = "constraints.t
     session.install("-c", constraints, *editables, *extra)
 
 
-TEST_TOOLS = ("pytest", "orbax-checkpoint")  # orbax: the checkpoints page and its tests
+# orbax: the checkpoints page and its tests; hypothesis: the oracle (meshlift.testing.oracle)
+TEST_TOOLS = ("pytest", "hypothesis", "orbax-checkpoint")
 
 
 def run_pytest(session: nox.Session, *paths: str) -> None:
@@ -60,7 +64,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(name="tests-tree-mode", tags=["tree-mode"])
 def tests_tree_mode(session: nox.Session) -> None:
     """The core and jit suites with flax's tree mode on (NNX_GRAPH_MODE=false)."""
-    install(session, "pytest")
+    install(session, "pytest", "hypothesis")
     run_tree_mode(session)
 
 
@@ -105,6 +109,27 @@ def compat(session: nox.Session, jax: str) -> None:
     session.run("pytest", *paths, "integration_tests", *session.posargs, env=XLA_ENV)
 
 
+# The differential oracle's tests: the core's (test_oracle.py) and every backend's kit run.
+ORACLE_TESTS = [f"{path}/tests" for path in PACKAGES.values()]
+
+
+@nox.session(tags=["oracle"])
+def fuzz(session: nox.Session) -> None:
+    """The oracle at length: 20x its CI budget of generated programs, from a random seed.
+
+    The seed is printed first; `nox -s fuzz -- --hypothesis-seed=SEED` runs the same
+    programs again, and MESHLIFT_ORACLE_FUZZ=N sets the multiple.
+    """
+    install(session, *TEST_TOOLS)
+    options = ["-k", "oracle or generated_programs", "-p", "no:cacheprovider"]
+    if not any(arg.startswith("--hypothesis-seed") for arg in session.posargs):
+        seed = random.SystemRandom().randrange(2**32)
+        session.log(f"oracle seed {seed}: `nox -s fuzz -- --hypothesis-seed={seed}` repeats it")
+        options.append(f"--hypothesis-seed={seed}")
+    scale = {"MESHLIFT_ORACLE_FUZZ": os.environ.get("MESHLIFT_ORACLE_FUZZ", "20")}
+    session.run("pytest", *ORACLE_TESTS, *options, *session.posargs, env=XLA_ENV | scale)
+
+
 def package_tests(name: str, path: str) -> None:
     def run(session: nox.Session) -> None:
         run_pytest(session, f"{path}/tests")
@@ -140,7 +165,9 @@ def integration(session: nox.Session, backend: str, devices: str) -> None:
     if devices == "gpu":
         require_accelerator(session)
     packages = [PACKAGES["core"], PACKAGES[backend]]
-    session.install("-c", "constraints.txt", *(a for p in packages for a in ("-e", p)), "pytest")
+    session.install(
+        "-c", "constraints.txt", *(a for p in packages for a in ("-e", p)), "pytest", "hypothesis"
+    )
     if devices == "gpu":
         session.install("-c", "constraints.txt", "jax[cuda12]")
     session.run(
@@ -178,7 +205,9 @@ THIRD_PARTY = "docs/examples/meshlift-remat"
 @nox.session(name="third-party", tags=["third-party"])
 def third_party(session: nox.Session) -> None:
     """The example third-party backend alone with the core: listed, conformant, integrated."""
-    session.install("-c", "constraints.txt", "-e", PACKAGES["core"], "-e", THIRD_PARTY, "pytest")
+    session.install(
+        "-c", "constraints.txt", "-e", PACKAGES["core"], "-e", THIRD_PARTY, "pytest", "hypothesis"
+    )
     listing = json.loads(session.run("meshlift", "backends", "--json", silent=True, stderr=None))
     names = [backend["name"] for backend in listing["backends"]]
     if names != ["remat"] or listing["errors"]:
@@ -314,7 +343,7 @@ def lint(session: nox.Session) -> None:
     typecheck/mistakes.py marks the lines mypy must flag (`# expect: CODE`);
     the session fails if one is not flagged with that code, or another line is.
     """
-    install(session, "ruff", "mypy", "pytest")  # pytest: meshlift.testing imports it
+    install(session, "ruff", "mypy", "pytest", "hypothesis")  # meshlift.testing imports them
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     sources = [f"{path}/src" for path in PACKAGES.values()]

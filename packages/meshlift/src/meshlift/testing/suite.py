@@ -26,11 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
 from meshlift.testing import models as M
+from meshlift.testing import oracle
 from meshlift.testing.capabilities import requires
 
 SCALAR = P()
@@ -546,3 +548,12 @@ class TestConformance:
         lifted = lift(meshlift_backend, lambda p: None, meshlift_mesh, ({"a": P()},), None)
         with pytest.raises(ml.PlanError, match="does not match"):
             lifted(params)
+
+    # -- the differential oracle --------------------------------------------------------------
+    @oracle.budget(40)
+    @given(program=oracle.graph_programs())
+    def test_generated_programs_run_as_they_run_eagerly(self, meshlift_backend, program):
+        # Generated models, argument layouts and changes (meshlift.testing.oracle), under the
+        # oracle's plan on a 2x4 mesh (replicated for a backend that runs per shard): the
+        # same outputs, state and object identities as eager, or a refusal naming a path.
+        oracle.check(program, meshlift_backend)

@@ -1,0 +1,106 @@
+"""The differential oracle over the core, and the oracle's own teeth.
+
+Generated programs of arrays run under `ml.jit` and `jax.jit`; generated
+programs of modules run under `ml.jit` and eagerly, with meshlift's fast
+paths checked against its slow path, and with the fast paths off and the C
+loops replaced by their Python twins. Each backend's own run is in its
+conformance kit (`TestConformance.test_generated_programs_run_as_they_run_eagerly`).
+"""
+
+import copy
+
+import pytest
+from hypothesis import given
+
+import meshlift as ml
+from meshlift.testing import oracle
+from meshlift.testing.oracle.runner import EAGER, Lifting
+
+
+@oracle.budget(150)
+@given(oracle.array_programs())
+def test_jit_over_arrays_is_jax_jit(program):
+    # outputs with their dtypes and weak types, deleted arrays, trace counts and errors
+    oracle.check(program, "ml.jit", reference="jax.jit")
+
+
+@oracle.budget(50)
+@given(oracle.graph_programs())
+def test_jit_runs_generated_programs_as_eager_with_its_fast_paths_checked(program):
+    oracle.check(program, "ml.jit+checked")
+
+
+@oracle.budget(25)
+@given(oracle.graph_programs())
+def test_jit_on_its_slow_path_in_python_runs_them_as_eager(program):
+    oracle.check(program, "ml.jit+slow+python")
+
+
+# -- the oracle finds what is wrong --------------------------------------------------------
+
+SWAP_AND_CONFIG = oracle.Program(
+    (
+        "m0 = Box(w0=nnx.Param(grid((2, 8), 0.5)), w1=nnx.Param(grid((2, 8), 1.0)), "
+        "k0=Config(2.0))",
+        "rec.start(m0=m0)",
+        "def fn(a, x):",
+        "    args = (a, x)",
+        "    bump(node(args, 0), 'w0', 1.0)",
+        "    swap(node(args, 0), 'w0', 'w1')",
+        "    return probe(args)",
+        "f = rec.lift(fn)",
+        "rec.call(f, m0, grid((8,), 0.0))",
+        "touch(m0, 'k0')",
+        "rec.call(f, m0, grid((8,), 0.0))",
+    )
+)
+
+
+def test_a_program_that_agrees_gives_no_difference():
+    assert oracle.compare(SWAP_AND_CONFIG, oracle.lifting("ml.jit")) == []
+
+
+def _on_copies(fn, **options):
+    """A broken transform: runs the function on copies, so nothing is written back."""
+    return lambda *args: fn(*copy.deepcopy(args))
+
+
+class _Stale:
+    """A broken transform: the first call's output forever (a stale cache)."""
+
+    def __init__(self, fn, **options):
+        self.fn, self.out = fn, None
+
+    def __call__(self, *args):
+        if self.out is None:
+            self.out = self.fn(*args)
+        return self.out
+
+
+@pytest.mark.parametrize(("broken", "symptom"), [(_on_copies, "state `m0.w"), (_Stale, "output")])
+def test_a_broken_transform_is_told_apart_from_eager(broken, symptom):
+    problems = oracle.compare(SWAP_AND_CONFIG, Lifting("broken", broken))
+    assert any(line.startswith(symptom) for line in problems), problems
+
+
+def test_a_refusal_is_accepted_only_where_the_program_allows_one():
+    def refusing(fn, **options):
+        def call(*args):
+            raise ml.StructureChangedError("refused: `a.k0` was changed in place")
+
+        return call
+
+    target = Lifting("refusing", refusing)
+    assert oracle.compare(SWAP_AND_CONFIG, target, EAGER, refusable=True) == []
+    problems = oracle.compare(SWAP_AND_CONFIG, target, EAGER, refusable=False)
+    assert problems[-1].startswith("raised StructureChangedError")
+
+
+def test_a_failure_shows_a_snippet_and_a_snippet_runs(capsys):
+    with pytest.raises(AssertionError, match="broken differs from eager") as failure:
+        oracle.check(SWAP_AND_CONFIG, Lifting("broken", _on_copies))
+    snippet = str(failure.value).split("To reproduce:\n\n", 1)[1]
+    assert SWAP_AND_CONFIG.source() in snippet
+    assert "replay(program, 'broken', 'eager', refusable=False)" in snippet
+    exec(oracle.snippet(SWAP_AND_CONFIG, "ml.jit"), {})
+    assert capsys.readouterr().out == "ml.jit agrees with eager\n"
