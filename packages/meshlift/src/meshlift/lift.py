@@ -72,7 +72,8 @@ from meshlift.paths import (
 from meshlift.plugins import get_backend
 from meshlift.sharding import StateSharding, is_spec
 from meshlift.stages import Lowered, Traced
-from meshlift.structure import StaticValues, per_type
+from meshlift.static_changes import StaticValues
+from meshlift.structure import per_type
 
 Params = ParamSpec("Params")  # the lifted function's parameters
 Result = TypeVar("Result")  # and what it returns

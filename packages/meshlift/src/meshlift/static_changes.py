@@ -1,0 +1,186 @@
+"""Static values changed in place inside a trace: noticed, named and undone.
+
+A static value (a config object, a list, a closure's cell) is compiled into
+the program, and the objects a traced function sees are the caller's own.
+JAX runs the function's Python once per compile, so a change it makes to one
+of them in place would happen on the first call only: later calls of the
+compiled program would run without it. `StaticValues` fingerprints each
+static value before the function runs and keeps a shallow copy of every
+mutable object it reaches; afterwards `changed()` names what changed and
+`restore()` puts it back, so the lifted function can refuse the change and
+leave the caller's objects as they were.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import functools
+import gc
+import types
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import graphlib
+
+from meshlift.structure import (
+    _BUFFERS,
+    _MISSING,
+    _cell_contents,
+    _slot_names,
+    _unchanging,
+    fingerprint,
+)
+
+
+class StaticValues:
+    """The static values held by some graph nodes, and a shallow copy of every mutable object
+    they reach, to notice and undo a change made in place: a function being traced runs its
+    Python once per compile, so such a change would not happen again on later calls.
+
+    Example:
+
+    ```python
+    from meshlift.static_changes import StaticValues
+
+    model = nnx.Module()
+    model.sizes = [1, 2]
+    statics = StaticValues((model,))
+    model.sizes.append(3)
+    assert statics.changed() == [(0, "sizes")]
+    statics.restore()
+    assert model.sizes == [1, 2]
+    ```
+    """
+
+    def __init__(self, nodes: tuple[Any, ...]):
+        self._values = [(path, value, fingerprint(value)) for path, value in _static_values(nodes)]
+        self._copies: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for _, value, _ in self._values:
+            self._copy(value, seen)
+
+    def changed(self) -> list[tuple[Any, ...]]:
+        """The paths (top-level position first) of values changed in place since."""
+        return [path for path, value, before in self._values if fingerprint(value) != before]
+
+    def restore(self) -> bool:
+        """Put back what every object held; False if some change could not be undone."""
+        for obj, contents in self._copies:
+            with contextlib.suppress(Exception):
+                _put_back(obj, contents)
+        return not self.changed()
+
+    def _copy(self, obj: Any, seen: set[int]) -> None:
+        """A shallow copy of `obj` and of each mutable object it reaches."""
+        if isinstance(obj, _unchanging()) or id(obj) in seen or graphlib.is_graph_node(obj):
+            return
+        seen.add(id(obj))
+        contents, children = _shallow(obj)
+        if contents is not _MISSING:
+            self._copies.append((obj, contents))
+        for child in children:
+            self._copy(child, seen)
+
+
+def _static_values(nodes: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], Any]]:
+    """(path, value) of every static attribute below `nodes` that could change in place."""
+    found: list[tuple[tuple[Any, ...], Any]] = []
+    seen: set[int] = set()
+    skip: tuple[type, ...] = (*_unchanging(), nnx.Variable, jax.Array, np.ndarray)
+
+    def visit(node: Any, path: tuple[Any, ...]) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        impl: Any = graphlib.get_node_impl(node)
+        for key, value in impl.node_dict(node).items():
+            if isinstance(key, str) and key.startswith("_pytree__"):
+                continue  # flax's bookkeeping
+            if isinstance(value, skip):
+                continue  # a Variable, an array (data), or immutable
+            if graphlib.is_graph_node(value):
+                visit(value, (*path, key))
+            elif not _holds_data(value):
+                found.append(((*path, key), value))
+
+    for i, node in enumerate(nodes):
+        if graphlib.is_graph_node(node) and not isinstance(node, nnx.Variable):
+            visit(node, (i,))
+    return found
+
+
+def _holds_data(value: Any) -> bool:
+    """Whether a pytree attribute holds graph nodes or arrays (flax flattens it: data)."""
+    try:
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=graphlib.is_graph_node)
+    except Exception:  # keys that do not sort, say: not a pytree flax flattens
+        return False
+    return any(graphlib.is_graph_node(x) or isinstance(x, jax.Array | np.ndarray) for x in leaves)
+
+
+def _shallow(obj: Any) -> tuple[Any, list[Any]]:
+    """What `obj` holds (to put back; `_MISSING` if it cannot change in place), and the
+    objects it holds."""
+    if isinstance(obj, types.MappingProxyType):
+        return _MISSING, [r for r in gc.get_referents(obj) if isinstance(r, dict)]
+    if isinstance(obj, types.FunctionType):
+        cells = list(obj.__closure__ or ())
+        parts = (obj.__code__, obj.__defaults__, obj.__kwdefaults__)
+        return parts, [*parts[1:], *cells]
+    if isinstance(obj, types.CellType):
+        contents = _cell_contents(obj)
+        return contents, [contents]
+    if isinstance(obj, types.MethodType):
+        return _MISSING, [obj.__func__, obj.__self__]
+    if isinstance(obj, np.ndarray | array.array):
+        return obj[:].copy() if isinstance(obj, np.ndarray) else type(obj)(obj.typecode, obj), []
+    if isinstance(obj, _BUFFERS):
+        return bytes(memoryview(obj)), []  # a bytearray's or memoryview's bytes
+    if isinstance(obj, dict):
+        return dict(obj), [*obj.keys(), *obj.values()]
+    if isinstance(obj, list | collections.deque | set):
+        return type(obj)(obj), list(obj)
+    if isinstance(obj, tuple | frozenset):
+        return _MISSING, list(obj)
+    if isinstance(obj, functools.partial):
+        return _MISSING, [obj.func, obj.args, obj.keywords]
+    fields = getattr(obj, "__dict__", None)
+    slots = {name: getattr(obj, name, _MISSING) for name in _slot_names(type(obj))}
+    if not isinstance(fields, dict) and not slots:
+        return _MISSING, []
+    fields = dict(fields) if isinstance(fields, dict) else None
+    return (type(obj), fields, slots), [*(fields or {}).values(), *slots.values()]
+
+
+def _put_back(obj: Any, contents: Any) -> None:
+    """Make `obj` hold `contents` (from `_shallow`) again, in place."""
+    if isinstance(obj, types.FunctionType):
+        obj.__code__, obj.__defaults__, obj.__kwdefaults__ = contents
+    elif isinstance(obj, types.CellType):
+        obj.cell_contents = contents
+    elif isinstance(obj, np.ndarray):
+        obj[...] = contents
+    elif isinstance(obj, memoryview):
+        obj.cast("B")[:] = contents
+    elif isinstance(obj, _BUFFERS):
+        obj[:] = contents
+    elif isinstance(obj, dict | set):
+        obj.clear()
+        obj.update(contents)
+    elif isinstance(obj, list | collections.deque):
+        obj.clear()
+        obj.extend(contents)
+    else:
+        cls, fields, slots = contents
+        if type(obj) is not cls:
+            obj.__class__ = cls
+        if fields is not None and obj.__dict__ != fields:
+            obj.__dict__.clear()
+            obj.__dict__.update(fields)
+        for name, value in slots.items():
+            if value is not _MISSING:
+                object.__setattr__(obj, name, value)
