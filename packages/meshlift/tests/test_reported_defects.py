@@ -366,6 +366,26 @@ def test_a_static_value_changed_in_place_inside_is_refused_and_undone():
     assert model.config.scale == 1.0
 
 
+@pytest.mark.parametrize("backend", ["jit", "shard_map"])
+def test_one_array_held_twice_and_placed_onto_a_plan_is_refused_when_donated(backend):
+    # Placing it moved the array once per place: the two results shared a buffer that XLA
+    # was then given twice (a crash). Now it is moved once, and refused naming both.
+    model = nnx.Module()
+    model.first = model.second = shared = jnp.ones(8)
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    lifted = ml.transform(
+        backend,
+        lambda m: m.first + m.second,
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        donate_argnums=0,
+    )
+    with pytest.raises(ValueError, match=r"`m\.first` and `m\.second` hold the same array"):
+        lifted(model)
+    assert model.first is model.second is shared and not shared.is_deleted()
+
+
 def test_one_array_held_by_two_modules_is_two_inputs_and_refused_when_donated():
     shared = jnp.ones(8)
     first, second = nnx.Module(), nnx.Module()
@@ -378,3 +398,73 @@ def test_one_array_held_by_two_modules_is_two_inputs_and_refused_when_donated():
     with pytest.raises(ValueError, match=r"`a\.table` and `b\.table` hold the same array"):
         ml.jit(total, donate_argnums=1)(first, second)
     assert not shared.is_deleted()
+
+
+def _buffers(array):
+    return {shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards}
+
+
+def test_an_array_placed_onto_a_plan_shares_no_buffer_with_the_array_it_came_from():
+    # jax.device_put reused the source's buffer for the replica on its device: another
+    # module still held the source, and a donating call gave XLA one buffer to donate and
+    # to read (jaxlib crashed).
+    first, second, zeros = nnx.Module(), nnx.Module(), nnx.Module()
+    first.table = second.table = source = jnp.arange(8.0)
+    zeros.table = jnp.zeros(8)
+
+    def total(a, b):
+        return a.table + 2 * b.table
+
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    lifted = ml.shard_map(total, mesh=mesh, in_specs=P(), out_specs=P(), donate_argnums=1)
+    _close(lifted(first, zeros), source)  # places first.table (a replicated copy)
+    assert first.table is not source and not _buffers(first.table) & _buffers(source)
+    _close(lifted(first, second), 3 * source)  # second.table, placed from the source, donated
+    assert not first.table.is_deleted() and not source.is_deleted()
+
+
+def repoint(m):
+    m.second = m.first  # a static object, equal in value to the one it replaces
+    return m.w[...] * m.first.scale
+
+
+def test_a_static_attribute_re_pointed_at_an_equal_one_is_re_pointed():
+    # The graph after the call compared equal to the one before (`==` on equal values), so
+    # nothing was written back: `m.second` stayed its own object, and a later change to
+    # `m.first` was missed by it.
+    results = {}
+    for name, lift in [("eager", lambda f: f), ("ml.jit", ml.jit)]:
+        model = nnx.Module()
+        model.w = nnx.Param(jnp.ones(2))
+        model.first, model.second = (
+            types.SimpleNamespace(scale=1.0),
+            types.SimpleNamespace(scale=1.0),
+        )
+        lifted = lift(repoint)
+        lifted(model)
+        assert model.second is model.first, name
+        model.second.scale += 1
+        results[name] = lifted(model)
+    _close(results["ml.jit"], results["eager"])
+
+
+def test_each_caller_of_one_staged_function_gets_its_own_static_objects():
+    # One staged function serves every model of one structure; what its trace re-pointed
+    # (or put in an output) is the caller's object at that place, not the first model's.
+    # (flax's nnx.jit gives the second model the first one's.)
+    def build(n):
+        n.w = nnx.Param(jnp.ones(2))
+        n.first, n.second = types.SimpleNamespace(scale=1.0), types.SimpleNamespace(scale=1.0)
+        return n
+
+    def forward(m):
+        repoint(m)
+        out = nnx.Module()
+        out.config = m.first
+        return out
+
+    lifted, one, other = ml.jit(forward), build(nnx.Module()), build(nnx.Module())
+    outputs = lifted(one), lifted(other)
+    for model, out in zip((one, other), outputs, strict=True):
+        assert model.second is model.first and out.config is model.first
+    assert other.first is not one.first

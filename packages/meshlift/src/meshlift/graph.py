@@ -28,6 +28,7 @@ split.scatter(range(len(arrays)), arrays, (model,))
 from __future__ import annotations
 
 import collections
+import dataclasses
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +40,7 @@ from flax.nnx import graphlib
 
 from meshlift import compat, modes, speedups
 from meshlift.paths import Path, PlanError, StructureChangedError, format_path, listing
-from meshlift.structure import Watcher, fingerprint, per_type
+from meshlift.structure import _ATOMS, Watcher, fingerprint, per_type
 
 
 def is_graph_leaf(x: Any) -> bool:
@@ -299,7 +300,9 @@ class Rebuilt:
         graphdef, flat = flatten(self.nodes, ref_index=ref_index, ref_outer_index=self._outer_index)
         leaves = [raw(leaf) for leaf in flat.leaves]
         try:
-            same = graphdef == unchanged_graphdef
+            same = graphdef == unchanged_graphdef and same_static_objects(
+                graphdef, unchanged_graphdef
+            )
         except Exception:  # a static value that compares elementwise
             same = False
         if same and all(leaves[i] is self.values[i] for i in arrays):
@@ -390,13 +393,80 @@ class GraphUpdate:
             for s in self.sources
         ]
 
-    def apply(self, values: Sequence[Any], index_map: graphlib.IndexMap) -> graphlib.IndexMap:
-        """Re-point the caller's nodes as the function did; returns new index -> object."""
+    def apply(
+        self, values: Sequence[Any], index_map: graphlib.IndexMap, statics: StaticObjects = None
+    ) -> graphlib.IndexMap:
+        """Re-point the caller's nodes as the function did, with the caller's `statics`;
+        returns new index -> object."""
         index_ref = graphlib.IndexMap()
         nnx.graph.unflatten(
-            self.graphdef, list(values), index_ref=index_ref, outer_index_outer_ref=index_map
+            with_statics(self.graphdef, statics),
+            list(values),
+            index_ref=index_ref,
+            outer_index_outer_ref=index_map,
         )
         return index_ref
+
+
+# -- static objects ------------------------------------------------------------------------
+
+# A traced object -> the caller's object at its place (by id), or None where they are one.
+StaticObjects = dict[int, Any] | None
+
+
+def static_objects(graphdef: Any) -> list[Any]:
+    """The static attribute values of `graphdef`, in its order: the objects themselves."""
+    return [attr.value for _, attr in graphdef.attributes if isinstance(attr, graphlib.Static)]
+
+
+def same_static_objects(new: Any, old: Any) -> bool:
+    """Whether two equal graphdefs hold the same static objects wherever identity matters:
+    `m.b = m.a` re-points `m.b`, a change even where the two values compare equal."""
+    pairs = zip(static_objects(new), static_objects(old), strict=True)
+    return all(a is b or not _mutable(a) for a, b in pairs)
+
+
+def _mutable(value: Any) -> bool:
+    """Whether `value` is or holds an object that may change in place (its identity matters)."""
+    if type(value) in (tuple, frozenset):
+        return any(map(_mutable, value))
+    return not isinstance(value, _ATOMS)
+
+
+def caller_statics(traced: Any, now: Any) -> StaticObjects:
+    """Where the graphdef a function was traced from (`traced`) and the caller's split
+    (`now`, equal to it) hold different static objects: the staged function is shared by
+    callers of one structure, and what tracing found must be given the caller's own.
+
+    Example:
+
+    ```python
+    from meshlift.graph import GraphSplit, caller_statics
+
+    first, second = nnx.Module(), nnx.Module()
+    first.config, second.config = [1], [1]   # equal, not one object
+    traced, now = GraphSplit((first,)).graphdef, GraphSplit((second,)).graphdef
+    assert caller_statics(traced, now)[id(first.config)] is second.config
+    assert caller_statics(traced, traced) is None
+    ```
+    """
+    if traced is now:
+        return None
+    pairs = zip(static_objects(traced), static_objects(now), strict=True)
+    return {id(a): b for a, b in pairs if a is not b} or None
+
+
+def with_statics(graphdef: Any, statics: StaticObjects) -> Any:
+    """`graphdef` with each static object in `statics` replaced by the caller's."""
+    if not statics:
+        return graphdef
+    attributes = [
+        (key, graphlib.Static(statics[id(attr.value)]))
+        if isinstance(attr, graphlib.Static) and id(attr.value) in statics
+        else (key, attr)
+        for key, attr in graphdef.attributes
+    ]
+    return dataclasses.replace(graphdef, attributes=attributes)
 
 
 # -- graph nodes in outputs ---------------------------------------------------------------
@@ -428,8 +498,11 @@ def encode_outputs(out: Any, ref_index: graphlib.RefMap) -> tuple[Any, OutputNod
     return (jax.tree.unflatten(treedef, leaves) if graphdefs else out), nodes
 
 
-def decode_outputs(user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexMap) -> Any:
-    """Rebuild graph nodes in the output; references to arguments resolve through `index_map`.
+def decode_outputs(
+    user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexMap, statics: StaticObjects = None
+) -> Any:
+    """Rebuild graph nodes in the output, with the caller's `statics`; references to
+    arguments resolve through `index_map`.
 
     `index_map` is the caller's fresh map: the nodes rebuilt here are added to it.
     """
@@ -437,7 +510,8 @@ def decode_outputs(user_out: Any, nodes: OutputNodes, index_map: graphlib.IndexM
         return user_out
     items = nodes.treedef.flatten_up_to(user_out)
     for i, graphdef in nodes.graphdefs.items():
-        items[i] = nnx.graph.unflatten(graphdef, list(items[i]), index_ref=index_map)
+        unflattened = with_statics(graphdef, statics)
+        items[i] = nnx.graph.unflatten(unflattened, list(items[i]), index_ref=index_map)
     return nodes.treedef.unflatten(items)
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, Sharding
@@ -53,7 +54,9 @@ from meshlift.graph import (
     GraphUpdate,
     OutputNodes,
     Rebuilt,
+    StaticObjects,
     abstract_index_map,
+    caller_statics,
     decode_outputs,
     encode_outputs,
     is_graph_leaf,
@@ -493,16 +496,24 @@ class _TraceInfo:
         update: GraphUpdate | None,
         outputs: OutputNodes,
         container: type | None,
+        traced: Any,
     ):
         self.changed = changed  # split positions of Variables with new values
         self.pick_changed = _picker(changed)  # their values out of the staged output
         self.update = update  # a new graph for the arguments' nodes, if more than values changed
         self.outputs = outputs  # graph nodes in the output
         self.container = container  # the output's own list or tuple type, if staged as the other
+        self.traced = traced  # the split's graphdef it was traced from (its static objects)
 
-    def decode(self, user_out: Any, index_map: Any) -> Any:
+    def statics(self, split: GraphSplit) -> StaticObjects:
+        """The caller's static objects for those tracing saw, where a graph is rebuilt."""
+        if self.update is None and not self.outputs.graphdefs:
+            return None
+        return caller_statics(self.traced, split.graphdef)
+
+    def decode(self, user_out: Any, index_map: Any, statics: StaticObjects = None) -> Any:
         """The caller's output: graph nodes rebuilt, its own top-level list or tuple."""
-        out = decode_outputs(user_out, self.outputs, index_map)
+        out = decode_outputs(user_out, self.outputs, index_map, statics)
         return out if self.container is None else self.container(out)
 
 
@@ -604,7 +615,11 @@ class PureFunction:
             out = self.out_container(out)  # a list of specs matches a tuple output, and back
         user_out, outputs = encode_outputs(out, ref_index)
         info = _TraceInfo(
-            changed, update, outputs, container if type(out) is not container else None
+            changed,
+            update,
+            outputs,
+            container if type(out) is not container else None,
+            self.graphdef,
         )
         return var_out, tuple(extra), user_out, _Aux(info)
 
@@ -783,10 +798,11 @@ class _Layout:
         onto the plan) and give the caller's output."""
         var_out, extra, user_out, aux = outputs
         info = aux.info
-        index_map = self._write_back(info, values, placed, var_out, extra, call)
+        statics = info.statics(self.split)
+        index_map = self._write_back(info, values, placed, var_out, extra, call, statics)
         self.placed = True
         self.info = info
-        return info.decode(user_out, index_map)
+        return info.decode(user_out, index_map, statics)
 
     def _refuse_shared_donation(self, inputs: tuple[tuple[Any, ...], ...]) -> None:
         """Refuse, naming both, a donated array that another input holds too (two Params
@@ -915,8 +931,10 @@ class _Layout:
         var_out: Sequence[Any],
         extra: Sequence[Any],
         call: _Call,
+        statics: StaticObjects,
     ) -> Any:
-        """Validate every write, then make them; the index map to decode outputs with."""
+        """Validate every write, then make them (the caller's `statics` in a new graph); the
+        index map to decode outputs with."""
         split = self.split
         if info.update is not None and call.fixed_structure:
             raise StructureChangedError(
@@ -928,7 +946,7 @@ class _Layout:
         if info.update is not None:
             leaves = info.update.leaves(var_out, extra)
             self._check_no_leak(leaves, info.update.sources, info.update.paths)
-            index_map = info.update.apply(leaves, split.index_map(call.nodes))
+            index_map = info.update.apply(leaves, split.index_map(call.nodes), statics)
             if placed is not None:  # a reference placed anew was updated through: keep it
                 moved = [i for i, value in enumerate(values) if placed[i] is not value]
                 refs = [i for i in moved if compat.is_ref(values[i])]
@@ -1042,9 +1060,10 @@ class _Layout:
         var_out, extra, user_out, aux = evaluate(*self.inputs(values, call))
         info = aux.info
         index_map = abstract_index_map(self.split.graphdef, values)
+        statics = info.statics(self.split)
         if info.update is not None:
-            index_map = info.update.apply(info.update.leaves(var_out, extra), index_map)
-        return info.decode(user_out, index_map), info
+            index_map = info.update.apply(info.update.leaves(var_out, extra), index_map, statics)
+        return info.decode(user_out, index_map, statics), info
 
     # -- plan resolution --------------------------------------------------------------------
     def _in_shardings(
@@ -1324,14 +1343,32 @@ def _onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
     ]
     if not misplaced:
         return None
-    arrays = [values[i][...] if compat.is_ref(values[i]) else values[i] for i in misplaced]
-    moved = jax.device_put(arrays, [shardings[i] for i in misplaced])
+    # One array held twice and placed alike is moved once, and stays one array.
+    first = {(id(values[i]), shardings[i]): i for i in reversed(misplaced)}
+    unique = sorted(first.values())
+    arrays = [values[i][...] if compat.is_ref(values[i]) else values[i] for i in unique]
+    moved = jax.device_put(arrays, [shardings[i] for i in unique])
     if isinstance(moved[0], jax.core.Tracer):  # device_put was staged into an outer trace
         return None
+    placed_once = {  # a reference: a new one, placed
+        i: compat.new_ref(value) if compat.is_ref(values[i]) else value
+        for i, value in zip(unique, map(_own_buffers, moved, arrays), strict=True)
+    }
     placed = list(values)
-    for i, value in zip(misplaced, moved, strict=True):  # a reference: a new one, placed
-        placed[i] = compat.new_ref(value) if compat.is_ref(values[i]) else value
+    for i in misplaced:
+        placed[i] = placed_once[first[id(values[i]), shardings[i]]]
     return placed
+
+
+def _own_buffers(moved: jax.Array, source: jax.Array) -> jax.Array:
+    """`moved` (`source` put onto a sharding), moved again from a copy of `source` if it
+    shares a buffer with it: `jax.device_put` reuses the source's buffer for a replica on
+    its device (`may_alias=False` notwithstanding, jax 0.10). Another input may still
+    hold `source`, and XLA cannot donate a buffer it also reads (jaxlib crashes)."""
+    held = {shard.data.unsafe_buffer_pointer() for shard in source.addressable_shards}
+    if all(shard.data.unsafe_buffer_pointer() not in held for shard in moved.addressable_shards):
+        return moved
+    return jax.device_put(jnp.copy(source), moved.sharding)
 
 
 _ARRAY = object()  # _pass_key of an array: never passed through
