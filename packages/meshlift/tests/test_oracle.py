@@ -24,13 +24,13 @@ def test_jit_over_arrays_is_jax_jit(program):
     oracle.check(program, "ml.jit", reference="jax.jit")
 
 
-@oracle.budget(50)
+@oracle.budget(80)
 @given(oracle.graph_programs())
 def test_jit_runs_generated_programs_as_eager_with_its_fast_paths_checked(program):
     oracle.check(program, "ml.jit+checked")
 
 
-@oracle.budget(25)
+@oracle.budget(40)
 @given(oracle.graph_programs())
 def test_jit_on_its_slow_path_in_python_runs_them_as_eager(program):
     oracle.check(program, "ml.jit+slow+python")

@@ -550,7 +550,7 @@ class TestConformance:
             lifted(params)
 
     # -- the differential oracle --------------------------------------------------------------
-    @oracle.budget(40)
+    @oracle.budget(50)
     @given(program=oracle.graph_programs())
     def test_generated_programs_run_as_they_run_eagerly(self, meshlift_backend, program):
         # Generated models, argument layouts and changes (meshlift.testing.oracle), under the

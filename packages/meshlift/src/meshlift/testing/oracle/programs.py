@@ -39,6 +39,7 @@ test_sources_compile()
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 from typing import Any
@@ -55,8 +56,12 @@ STATIC_ARGUMENTS = ["1", "True", "1.0", "0", "False", '"s"', "None", "(1, 2)", "
 STATIC_ARGUMENTS += ["Frozen(1.5)", "2", "2.0"]
 IMMUTABLE = ["int", "float", "bool", "str", "none", "tuple", "enum", "frozen"]
 MUTABLE = sorted(set(STATICS) - set(IMMUTABLE))  # what `touch` changes in place
+# reached through another object: a proxy's dict, a method's object, a closure's cell...
+INDIRECT = ["proxy", "method", "closure", "key", "config", "namespace"]
 # What a program is about: its ingredients are always there, the rest is drawn freely.
+# (The themes whose ingredients are rarer have more weight.)
 THEMES = ["layout", "statics", "variables", "inside", "method", "partial", "training", "refs"]
+THEMES += ["layout", "statics", "refs"]
 
 
 @attrs.frozen
@@ -106,7 +111,7 @@ def _model(draw: Any, name: str, theme: str) -> _Model:
         ref = ", ref=True" if refs and prefix == "b" and theme != "training" else ""
         model.variables.append(var)
         model.attributes.append(f"{var}={kind}(grid({SHAPES[prefix]}, {draw(SEEDS)}){ref})")
-    kinds = MUTABLE if theme == "statics" else sorted(STATICS)
+    kinds = MUTABLE + INDIRECT * 2 if theme == "statics" else sorted(STATICS)
     count = draw(st.integers(1 if theme in ("statics", "inside") else 0, 2))
     for i in range(count):
         model.statics.append(f"k{i}")
@@ -135,13 +140,21 @@ def _model(draw: Any, name: str, theme: str) -> _Model:
 
 @st.composite
 def _models(draw: Any, theme: str) -> tuple[list[_Model], list[str]]:
-    """One or two models, maybe sharing parts (and maybe an optimizer `o0` of the first),
-    and the lines that make them."""
+    """One or two models (maybe built alike), maybe sharing parts (and maybe an optimizer
+    `o0` of the first), and the lines that make them."""
     models = [draw(_model(f"m{i}", theme)) for i in range(draw(st.integers(1, 2)))]
-    lines = [m.line() for m in models]
     first = models[0]
-    sharing = draw(st.sampled_from(["", "", "variable", "module", "across"]))
-    if sharing == "variable":
+    if len(models) > 1 and draw(st.integers(0, 3)) == 0:  # a twin: one staged function serves both
+        models[1] = _Model("m1", *(list(part) for part in attrs.astuple(first, recurse=False)[1:]))
+    lines = [m.line() for m in models]
+    sharing = draw(st.sampled_from(["", "", "variable", "module", "across", "array"]))
+    if sharing == "array":  # one array object stored on two modules (or twice on one)
+        lines.append(
+            "m0.t0 = m1.t0 = grid((8,), 0.5)"
+            if len(models) > 1
+            else "m0.t0 = m0.t1 = grid((8,), 0.5)"
+        )
+    elif sharing == "variable":
         lines.insert(1, f"m0.alias = m0.{first.variables[0]}")
         first.variables.append("alias")
     elif sharing == "module" and first.children:
@@ -205,7 +218,9 @@ def _between(draw: Any, models: list[_Model], theme: str) -> str:
         return f"bump({name}, {variable!r}, {draw(SEEDS)})"
     if kind == "static":
         static = draw(st.sampled_from(model.statics or ["k0"]))
-        change = draw(st.sampled_from(["touch", "touch", "swap_class", "swap_dict", "set"]))
+        change = draw(
+            st.sampled_from(["touch", "touch", "touch", "swap_class", "swap_dict", "set"])
+        )
         if change == "set":
             return f"setattr_if({name}, {static!r}, {draw(_static())})"
         return f"{change}({name}, {static!r})"
@@ -248,6 +263,21 @@ def _argument(draw: Any, models: list[_Model], static: bool, optimizer: bool) ->
     if kind == "dict":
         return f'{{"x": {node}, "y": {array}}}'
     return f"({array}, {node})"
+
+
+_CONTAINERS = (
+    (re.compile(r'\{"x": (.+), "y": (grid\(\(8,\), [0-9.]+\))\}'), '{{"x": {1}, "y": {0}}}'),
+    (re.compile(r"\((grid\(\(8,\), [0-9.]+\)), (.+)\)"), "({1}, {0})"),
+)
+
+
+def _swapped(argument: str) -> str:
+    """An argument with its container's two entries exchanged (the node where the array was)."""
+    for pattern, swapped in _CONTAINERS:
+        match = pattern.fullmatch(argument)
+        if match:
+            return swapped.format(*match.groups())
+    return argument
 
 
 def _call(draw: Any, target: str, params: Sequence[str], values: Sequence[str]) -> str:
@@ -300,7 +330,12 @@ def graph_programs(draw: Any) -> Program:
             lines.append(draw(_between(models, theme)))
         values = list(base)
         if step and (theme == "layout" or draw(st.integers(0, 2)) == 0):
-            values = [draw(_argument(passed, p == static, optimizer)) for p in lifted_params]
+            if draw(st.integers(0, 3)):  # the same arguments in other places: nodes move
+                dynamic = [i for i, p in enumerate(lifted_params) if p != static]
+                for i, j in zip(dynamic, draw(st.permutations(dynamic)), strict=True):
+                    values[i] = _swapped(base[j])
+            else:
+                values = [draw(_argument(passed, p == static, optimizer)) for p in lifted_params]
         lines.append(_call(draw, "f", lifted_params, values))
     return Program(tuple(lines), any(flag for _, flag in operations))
 

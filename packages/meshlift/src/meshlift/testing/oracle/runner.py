@@ -155,11 +155,15 @@ class Recorder:
     """The `rec` a program is run with: lifts, calls, and records what happens.
 
     `rules` is the target's lifting: both runs predict from it which calls
-    the target must refuse as `jax.jit` would, and the reference skips them.
+    `jax.jit` would refuse. The target must refuse keyword arguments next to
+    specs, and may refuse a donated array that another input holds (placing
+    it onto a plan may have copied it); a reference skips the calls the
+    target must refuse and those it did refuse (`refused`, by call number).
     """
 
-    def __init__(self, lifting: Lifting, rules: Lifting):
-        self.lifting, self.rules = lifting, rules
+    def __init__(self, lifting: Lifting, rules: Lifting, refused: frozenset[int] = frozenset()):
+        self.lifting, self.rules, self.refused = lifting, rules, refused
+        self.calls = 0
         self.records: list[tuple] = []
         self.traces = 0
         self.roots: dict[str, Any] = {}
@@ -187,9 +191,10 @@ class Recorder:
         return self.lifting.partial(f, *nodes)
 
     def call(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
         arguments = self._arguments((*self._prefix, *args), kwargs)
         refusal = self._refusal(arguments, kwargs) if arguments is not None else None
-        if refusal and self.lifting.reference:
+        if self.lifting.reference and (refusal == "keywords" or self.calls in self.refused):
             self.records.append(("skipped", refusal))
             return
         donated, kept = _arrays(arguments or [])
@@ -198,8 +203,8 @@ class Recorder:
             out = f(*args, **kwargs)
         except Exception as error:
             after = self.identities.describe(self.roots)
-            record = ("error", type(error), str(error), refusal, differences(before, after))
-            self.records.append(record)
+            changed = differences(before, after)
+            self.records.append(("error", type(error), str(error), refusal, changed, self.calls))
             if refusal is None:
                 raise _Stop from error
             return
@@ -237,7 +242,9 @@ class Recorder:
         static, donated = chosen("static"), chosen("donate")
         positional = [(names[i], value) for i, value in enumerate(bound.args)]
         keywords = sorted(bound.kwargs.items())
-        return [(n, n in static, n in donated, v) for n, v in positional + keywords]
+        receiver = getattr(self.fn, "__self__", None)  # a bound method's module is an input
+        lifted = [("self", False, False, receiver)] if is_graph_leaf(receiver) else []
+        return lifted + [(n, n in static, n in donated, v) for n, v in positional + keywords]
 
     def _refusal(self, arguments: list, kwargs: dict) -> str | None:
         """What `jax.jit` would refuse in this call: keyword arguments next to shardings,
@@ -291,14 +298,20 @@ def _deleted(x: Any) -> bool:
 _NAMESPACE = {name: getattr(vocabulary, name) for name in vocabulary.__all__}
 
 
-def run(program: Program | Callable[[Recorder], None], lifting: Lifting, rules: Lifting) -> list:
-    """The records of `program` run under `lifting`, refusals predicted from `rules`."""
+def run(
+    program: Program | Callable[[Recorder], None],
+    lifting: Lifting,
+    rules: Lifting,
+    refused: frozenset[int] = frozenset(),
+) -> list:
+    """The records of `program` run under `lifting`, refusals predicted from `rules` (a
+    reference skips the calls `refused` by the target)."""
     body = program
     if isinstance(program, Program):
         namespace = dict(_NAMESPACE)
         exec(compile(program.source(), "<oracle program>", "exec"), namespace)
         body = namespace["program"]
-    recorder = Recorder(lifting, rules)
+    recorder = Recorder(lifting, rules, refused)
     with lifting.context(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a plan's unmatched filter, say: what runs is compared
         try:
@@ -326,8 +339,9 @@ def compare(
     """
     if refusable is None:
         refusable = isinstance(program, Program) and program.refusable
-    expected = run(program, reference, target)
     actual = run(program, target, target)
+    refused = frozenset(r[5] for r in actual if r[0] == "error" and r[3] is not None)
+    expected = run(program, reference, target, refused)
     exact = reference is JAX_JIT
     for step, (want, got) in enumerate(zip(expected, actual, strict=False)):
         problems = _step_differences(want, got, refusable, exact)
@@ -374,7 +388,7 @@ def _describe(record: tuple) -> str:
 
 
 def _step_differences(want: tuple, got: tuple, refusable: bool, exact: bool) -> list[str]:
-    if want[0] == "skipped":  # the target must refuse this call, changing nothing
+    if want[0] == "skipped":  # the target refuses this call, changing nothing
         if got[0] != "error" or not issubclass(got[1], ValueError):
             return [f"the target should refuse this call as jax.jit does ({want[1]})"]
         return [f"the refused call changed: {line}" for line in got[4]]

@@ -527,7 +527,7 @@ def remeta(where: Any, path: str, tag: str) -> None:
 
 def mode(where: Any, train: bool) -> None:
     """`train()` or `eval()` on a node: flax sets its layers' flags."""
-    if where is not None:
+    if isinstance(where, nnx.Module):
         where.train() if train else where.eval()
 
 
