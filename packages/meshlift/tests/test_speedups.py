@@ -21,18 +21,7 @@ TWINS = {
     "Python": type(
         "Twins",
         (),
-        {
-            name: staticmethod(getattr(speedups, f"_{name}"))
-            for name in (
-                "read_each",
-                "read_each_is",
-                "write_each",
-                "same_dicts",
-                "same_items",
-                "plan_inputs",
-                "plan_write",
-            )
-        },
+        {name: staticmethod(getattr(speedups, f"_{name}")) for name in speedups.LOOPS},
     ),
 }
 

@@ -39,42 +39,33 @@ from meshlift import speedups
 fast_paths = True  # False: every call takes the plain path
 check_fast_paths = False  # True: a structure check's "unchanged" is verified
 
-_LOOPS = (
-    "read_each",
-    "read_each_is",
-    "write_each",
-    "same_dicts",
-    "same_items",
-    "plan_inputs",
-    "plan_write",
-)
-
 
 @contextlib.contextmanager
-def slow_path() -> Iterator[None]:
-    global fast_paths
-    before, fast_paths = fast_paths, False
+def _setting(name: str, value: bool) -> Iterator[None]:
+    before = globals()[name]
+    globals()[name] = value
     try:
         yield
     finally:
-        fast_paths = before
+        globals()[name] = before
 
 
-@contextlib.contextmanager
-def checked_fast_paths() -> Iterator[None]:
-    global check_fast_paths
-    before, check_fast_paths = check_fast_paths, True
-    try:
-        yield
-    finally:
-        check_fast_paths = before
+def slow_path() -> contextlib.AbstractContextManager[None]:
+    """No call plan, no layout cache: every call takes the plain path."""
+    return _setting("fast_paths", False)
+
+
+def checked_fast_paths() -> contextlib.AbstractContextManager[None]:
+    """Split again wherever the structure check finds nothing changed, and compare."""
+    return _setting("check_fast_paths", True)
 
 
 @contextlib.contextmanager
 def python_loops() -> Iterator[None]:
-    compiled = {name: getattr(speedups, name) for name in _LOOPS}
+    """The Python twins of `meshlift.speedups`' C loops in their place."""
+    compiled = {name: getattr(speedups, name) for name in speedups.LOOPS}
     try:
-        for name in _LOOPS:
+        for name in speedups.LOOPS:
             setattr(speedups, name, getattr(speedups, f"_{name}"))
         yield
     finally:

@@ -200,3 +200,14 @@ except ImportError:  # built without a C compiler: the twins above
     )
 else:
     COMPILED = True
+
+# The loops with a Python twin `_<name>` above (the C ones when compiled).
+LOOPS = (
+    "read_each",
+    "read_each_is",
+    "write_each",
+    "same_dicts",
+    "same_items",
+    "plan_inputs",
+    "plan_write",
+)
