@@ -61,7 +61,7 @@ INDIRECT = ["proxy", "method", "closure", "key", "config", "namespace"]
 # What a program is about: its ingredients are always there, the rest is drawn freely.
 # (The themes whose ingredients are rarer have more weight.)
 THEMES = ["layout", "statics", "variables", "inside", "method", "partial", "training", "refs"]
-THEMES += ["layout", "statics", "refs"]
+THEMES += ["layout", "statics", "variables", "refs"]
 
 
 @attrs.frozen
@@ -107,15 +107,17 @@ def _model(draw: Any, name: str, theme: str) -> _Model:
     refs = theme == "refs" or draw(st.integers(0, 9)) == 0
     for prefix in draw(st.lists(st.sampled_from("wb"), min_size=1, max_size=3)):
         var = f"{prefix}{sum(v.startswith(prefix) for v in model.variables)}"
-        kind = draw(st.sampled_from(VARIABLE_TYPES))
+        kind = draw(st.sampled_from(VARIABLE_TYPES + ["nnx.Param"] * (theme == "variables")))
         ref = ", ref=True" if refs and prefix == "b" and theme != "training" else ""
         model.variables.append(var)
         model.attributes.append(f"{var}={kind}(grid({SHAPES[prefix]}, {draw(SEEDS)}){ref})")
-    kinds = MUTABLE + INDIRECT * 2 if theme == "statics" else sorted(STATICS)
+    kinds = MUTABLE + INDIRECT * 6 if theme == "statics" else sorted(STATICS)
     count = draw(st.integers(1 if theme in ("statics", "inside") else 0, 2))
     for i in range(count):
         model.statics.append(f"k{i}")
-        model.attributes.append(f"k{i}={draw(_static(kinds))}")
+        model.attributes.append(
+            f"k{i}={draw(_static(kinds if i else INDIRECT * (theme == 'statics') or kinds))}"
+        )
     children = ["sub", "items", "bn", "drop", "lin", "arr", "pair"]
     if theme == "training":
         children = ["bn", "drop", "lin"]
@@ -144,10 +146,13 @@ def _models(draw: Any, theme: str) -> tuple[list[_Model], list[str]]:
     `o0` of the first), and the lines that make them."""
     models = [draw(_model(f"m{i}", theme)) for i in range(draw(st.integers(1, 2)))]
     first = models[0]
-    if len(models) > 1 and draw(st.integers(0, 3)) == 0:  # a twin: one staged function serves both
+    twins = draw(st.integers(0, 1 if theme == "statics" else 3)) == 0
+    if len(models) > 1 and twins:  # built alike: one staged function serves both
         models[1] = _Model("m1", *(list(part) for part in attrs.astuple(first, recurse=False)[1:]))
     lines = [m.line() for m in models]
     sharing = draw(st.sampled_from(["", "", "variable", "module", "across", "array"]))
+    if theme == "layout" and draw(st.booleans()):
+        sharing = "array"
     if sharing == "array":  # one array object stored on two modules (or twice on one)
         lines.append(
             "m0.t0 = m1.t0 = grid((8,), 0.5)"
@@ -176,14 +181,25 @@ def _inside(draw: Any, models: list[_Model], theme: str) -> tuple[str, bool]:
     model = models[min(i, len(models) - 1)]
     where = f"node(args, {i})"
     pick = st.sampled_from(model.names())
-    kinds = ["bump", "layers"]
+    kinds = ["bump", "layers", "params"]
     if theme != "partial":  # nnx.cached_partial keeps the structure it was given
-        kinds += ["swap", "alias", "replace", "add", "delete", "mode", "set", "touch"]
+        kinds += ["swap", "alias", "replace", "add", "delete", "mode", "set"]
+    if theme not in ("partial", "statics"):  # (refused: the calls after it would not run)
+        kinds.append("touch")
     if theme == "training":
         kinds += ["learn"] * 3
+    if theme == "variables":  # by type: a Variable's type changed in place matters
+        kinds += ["params"] * 8
+    if theme == "statics" and len(model.statics) > 1:  # one static object where two were
+        kinds += ["statics"] * 2
     kind = draw(st.sampled_from(kinds))
     if kind == "bump":
         return f"bump({where}, {draw(st.sampled_from(model.variables))!r}, {draw(SEEDS)})", False
+    if kind == "params":
+        return f"bump_params({where}, {draw(SEEDS)})", False
+    if kind == "statics":
+        first, second = draw(st.permutations(model.statics))[:2]
+        return f"alias({where}, {first!r}, {second!r})", False
     if kind in ("layers", "learn"):
         return ("layers(node(args, 0))" if kind == "layers" else "learn(args)"), False
     if kind in ("swap", "alias"):
@@ -217,15 +233,15 @@ def _between(draw: Any, models: list[_Model], theme: str) -> str:
     if kind == "bump":
         return f"bump({name}, {variable!r}, {draw(SEEDS)})"
     if kind == "static":
-        static = draw(st.sampled_from(model.statics or ["k0"]))
-        change = draw(
-            st.sampled_from(["touch", "touch", "touch", "swap_class", "swap_dict", "set"])
-        )
+        static = draw(st.sampled_from(model.statics + ["k0"] * (theme == "statics") or ["k0"]))
+        touches = ["touch"] * (6 if theme == "statics" else 3)
+        change = draw(st.sampled_from([*touches, "swap_class", "swap_dict", "set"]))
         if change == "set":
             return f"setattr_if({name}, {static!r}, {draw(_static())})"
         return f"{change}({name}, {static!r})"
     if kind == "variable":
-        change = draw(st.sampled_from(["retype", "remeta", "reshape", "bump"]))
+        changes = ["retype", "remeta", "reshape", "bump"]
+        change = draw(st.sampled_from(changes + ["retype"] * (4 if theme == "variables" else 1)))
         if change == "retype":
             return f"retype({name}, {variable!r}, {draw(st.sampled_from(VARIABLE_TYPES))})"
         if change == "remeta":
@@ -325,6 +341,8 @@ def graph_programs(draw: Any) -> Program:
     # nnx.cached_partial calls with a copy of m0 (sharing its Variables): not m0 again
     passed = models[1:] if theme == "partial" else models
     base = [draw(_argument(passed, p == static, optimizer)) for p in lifted_params]
+    if theme in ("statics", "variables"):  # what changes between calls reaches the function
+        base[0] = passed[0].name
     for step in range(draw(st.integers(2, 4))):
         if step and draw(st.integers(0, 3)):
             lines.append(draw(_between(models, theme)))

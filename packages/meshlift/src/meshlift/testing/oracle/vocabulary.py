@@ -64,6 +64,7 @@ __all__ = [
     "array",
     "at",
     "bump",
+    "bump_params",
     "closure",
     "collections",
     "delete",
@@ -383,7 +384,19 @@ def learn(args: tuple) -> None:
 
 def bump(where: Any, path: str, by: float) -> None:
     """A new value for a Variable: `v[...] = v[...] * 0.5 + by`."""
-    variable = _get(where, path)
+    _bump(_get(where, path), by)
+
+
+def bump_params(where: Any, by: float) -> None:
+    """`bump` every Param under a node, chosen by type as `wrt=nnx.Param` chooses: a
+    Variable made another type in place is left alone."""
+    if where is not None:
+        for _, value in nnx.iter_graph(where):
+            if isinstance(value, nnx.Param):
+                _bump(value, by)
+
+
+def _bump(variable: Any, by: float) -> None:
     if isinstance(variable, nnx.Variable) and hasattr(variable.get_raw_value(), "dtype"):
         value = variable[...]
         if jnp.issubdtype(value.dtype, jnp.inexact):
