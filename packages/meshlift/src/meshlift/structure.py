@@ -205,6 +205,8 @@ def _unchanging() -> tuple[type, ...]:
 
 
 _FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
+# Whose functions a model holds as constants, never changed in place: not watched per call.
+_LIBRARIES = frozenset({"jax", "jaxlib", "flax", "optax", "numpy"})
 
 
 def _cell_contents(cell: types.CellType) -> Any:
@@ -265,8 +267,17 @@ class _Snapshot:
         self._plain = tuple(d for d in dicts if type(d) is dict)
         # a dict subclass may iterate otherwise (an OrderedDict keeps its own order)
         self._dicts = [d for d in dicts if type(d) is not dict]
-        self._sequences, self._sets, self._slotted = sequences, sets, slotted
-        self._buffers = buffers
+        self._sequences, self._sets, self._buffers = sequences, sets, buffers
+        # A function's parts and a cell's contents: read by descriptor, many in one C loop.
+        described: dict[Any, list[Any]] = {}
+        self._slotted: list[tuple[Any, tuple[str, ...]]] = []
+        for obj, names in slotted:
+            if type(obj) in (types.FunctionType, types.CellType):
+                for name in names:
+                    described.setdefault(type(obj).__dict__[name], []).append(obj)
+            else:
+                self._slotted.append((obj, names))
+        self._described = tuple((d, tuple(objects)) for d, objects in described.items())
         self._sized = [*self._dicts, *sequences, *sets]
         self.empty = not dicts and not self._sized and not slotted and not buffers
         self.take()
@@ -281,6 +292,7 @@ class _Snapshot:
         self._values = list(self._value_stream())
         self._set_copies = [frozenset(s) for s in self._sets]
         self._buffer_copies = list(map(_buffer_contents, self._buffers))
+        self._described_values = self._read_described()
 
     def same(self) -> bool:
         if not speedups.same_items(
@@ -288,6 +300,8 @@ class _Snapshot:
         ):
             return False
         if self._buffers and list(map(_buffer_contents, self._buffers)) != self._buffer_copies:
+            return False
+        if self._described and not self._same_described():
             return False
         if not self._sized and not self._slotted:
             return True
@@ -302,6 +316,22 @@ class _Snapshot:
         return not self._sets or all(
             frozenset(s) == copy for s, copy in zip(self._sets, self._set_copies, strict=True)
         )
+
+    def _read_described(self) -> tuple[tuple[Any, ...], ...] | None:
+        try:
+            return tuple(speedups.read_each(d, objects) for d, objects in self._described)
+        except ValueError:  # a cell emptied (`del` of a closure variable): a change
+            return None
+
+    def _same_described(self) -> bool:
+        values = self._described_values
+        try:
+            return values is not None and all(
+                speedups.read_each_is(d, objects, before)
+                for (d, objects), before in zip(self._described, values, strict=True)
+            )
+        except ValueError:
+            return False
 
     def _value_stream(self) -> Iterable[Any]:
         """Every watched value but the plain dicts' in a fixed order: dict values,
@@ -482,6 +512,8 @@ class Watcher:
         elif isinstance(obj, types.MethodType):
             children = (obj.__func__, obj.__self__)
         elif isinstance(obj, types.FunctionType):  # what the fingerprint reads of it
+            if obj.__module__ and obj.__module__.partition(".")[0] in _LIBRARIES:
+                return  # jax's, flax's own functions (a Linear's dot_general): not watched
             self._slotted.append((obj, _FUNCTION_PARTS))
             cells = [cell for cell in obj.__closure__ or () if _cell_contents(cell) is not _MISSING]
             self._slotted += [(cell, ("cell_contents",)) for cell in cells]
