@@ -325,10 +325,16 @@ class Lifted(Generic[Params, Result]):
         if kwargs and self.specs_on(mesh)[0] is not None:
             self._refuse_keywords(kwargs)
         leaves, treedef = _flatten_arguments(args, kwargs)
-        types = tuple(map(type, leaves))
-        positions = _node_positions(types)
+        leaf_types = tuple(map(type, leaves))
+        positions = _node_positions(leaf_types)
         nodes = tuple(map(leaves.__getitem__, positions))
-        key: tuple[Any, ...] = (treedef, static_key(statics), types, tuple(map(id, nodes)), mesh)
+        key: tuple[Any, ...] = (
+            treedef,
+            static_key(statics),
+            leaf_types,
+            tuple(map(id, nodes)),
+            mesh,
+        )
         passed = self._passed.get(treedef) if self._passed else None
         if passed:
             key += tuple(_pass_key(leaves[i]) for i in passed)
