@@ -182,7 +182,7 @@ def test_named_sharding_on_a_mesh_with_other_axes_is_checked_against_its_own_mes
 def test_argument_flattening_matches_jax_tree_flatten():
     # the per-call shortcut for top-level modules and arrays must give jax's own answer
     from meshlift.graph import is_graph_leaf
-    from meshlift.lift import _flatten_arguments
+    from meshlift.layout import flatten_arguments
 
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     x = jnp.ones((1, 2))
@@ -197,7 +197,7 @@ def test_argument_flattening_matches_jax_tree_flatten():
     ]
 
     def check(args, kwargs):
-        leaves, treedef = _flatten_arguments(args, kwargs)
+        leaves, treedef = flatten_arguments(args, kwargs)
         expected_leaves, expected = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
         assert treedef == expected
         assert len(leaves) == len(expected_leaves)
@@ -279,13 +279,13 @@ def update(model, x):
 def count_lookups(monkeypatch):
     """How many calls took the general path (a layout lookup) so far."""
     lookups = [0]
-    general = Lifted._layout
+    general = Lifted._entry
 
     def counted(self, *args, **kwargs):
         lookups[0] += 1
         return general(self, *args, **kwargs)
 
-    monkeypatch.setattr(Lifted, "_layout", counted)
+    monkeypatch.setattr(Lifted, "_entry", counted)
     return lookups
 
 

@@ -207,7 +207,7 @@ class Plan:
             targets=(self.boxes[1],),
             array_type=float,
             staged=None,
-            layout=None,
+            entry=None,
         )
         self.plan = speedups.CallPlan(**(defaults | fields))
 

@@ -152,10 +152,8 @@ def _frontend(name: str) -> Any:
     return plugins.get_frontend(name)
 
 
-if TYPE_CHECKING:  # the front ends' real signatures, from the backends that provide them
-    from meshlift_jit import jit
-    from meshlift_pjit import pjit
-    from meshlift_shard_map import shard_map
+if TYPE_CHECKING:  # the front ends' signatures, from a stub: the core imports no plugin
+    from meshlift.frontends import jit, pjit, shard_map
 else:  # at run time each forwards to its backend's front end, found through the plugins
 
     def jit(fun: Any = None, /, **kwargs: Any) -> Any:

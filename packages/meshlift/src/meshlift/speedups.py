@@ -118,7 +118,7 @@ class CallPlan(NamedTuple):
     targets: tuple[Any, ...]
     array_type: type
     staged: Callable[..., Any]  # read in Python only, from here on
-    layout: Any
+    entry: Any
 
 
 def donated_alone(inputs: tuple[tuple[Any, ...], ...]) -> bool:

@@ -25,14 +25,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshlift import calls
 from meshlift.arguments import insert_statics, named_statics
+from meshlift.layout import as_state
+from meshlift.staged_errors import named_errors
 
 
 class _Stage:
-    """One JAX stage object and the argument layout it was made for."""
+    """One JAX stage object, the entry (argument layout) it was made for, and the lifted
+    function it came from."""
 
-    def __init__(self, staged: Any, layout: Any):
-        self._jax_stage, self._layout = staged, layout
+    def __init__(self, staged: Any, entry: Any, lifted: Any):
+        self._jax_stage, self._entry, self._lifted = staged, entry, lifted
+        self._layout = entry.layout
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jax_stage, name)
@@ -47,7 +52,7 @@ class _Stage:
 
     @property
     def out_info(self) -> Any:
-        return self._layout.as_output(self._jax_stage.out_info)
+        return as_output(self._jax_stage.out_info)
 
 
 class Traced(_Stage):
@@ -59,11 +64,11 @@ class Traced(_Stage):
 
     @property
     def out_avals(self) -> Any:
-        return self._layout.as_output(self._jax_stage.out_avals)
+        return as_output(self._jax_stage.out_avals)
 
     def lower(self, **kwargs: Any) -> Lowered:
-        with self._layout.named_errors():
-            return Lowered(self._jax_stage.lower(**kwargs), self._layout)
+        with named_errors(self._layout):
+            return Lowered(self._jax_stage.lower(**kwargs), self._entry, self._lifted)
 
 
 class Lowered(_Stage):
@@ -74,7 +79,7 @@ class Lowered(_Stage):
         return self._jax_stage
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
-        return Compiled(self._jax_stage.compile(compiler_options), self._layout)
+        return Compiled(self._jax_stage.compile(compiler_options), self._entry, self._lifted)
 
 
 class Compiled(_Stage):
@@ -94,13 +99,13 @@ class Compiled(_Stage):
 
     @property
     def output_shardings(self) -> Any:
-        return self._layout.as_output(self._jax_stage.output_shardings)
+        return as_output(self._jax_stage.output_shardings)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        layout = self._layout
-        args = layout.lifted._bound(args)  # a bound method's receiver first
+        layout, lifted = self._layout, self._lifted
+        args = lifted._bound(args)  # a bound method's receiver first
         if len(args) != layout.arg_count or set(kwargs) != set(layout.kwarg_names):
-            statics = [layout.lifted.signature.name(where) for where, _ in layout.statics]
+            statics = [lifted.signature.name(where) for where, _ in layout.statics]
             raise TypeError(
                 f"this Compiled takes {layout.arg_count} positional argument(s) and the keyword "
                 f"argument(s) {sorted(layout.kwarg_names)}, as it was lowered, got {len(args)} "
@@ -113,10 +118,23 @@ class Compiled(_Stage):
             )
         args = tuple(insert_statics(args, layout.statics))
         kwargs = {**kwargs, **named_statics(layout.statics)}
-        current, call = layout.lifted._layout(args, kwargs, layout.mesh)
-        if current.staged is not layout.staged:
+        current, call = lifted._entry(args, kwargs, layout.mesh)
+        if current.staged is not self._entry.staged:
             raise TypeError(
                 "these arguments differ in structure, shardings or static values from the ones "
                 "this function was compiled for; call .lower(...).compile() again for them"
             )
-        return current.run(self._jax_stage, call)
+        return calls.run(current, self._jax_stage, call)
+
+
+def as_output(tree: Any) -> Any:
+    """A tree over the staged outputs as the caller's output, graph nodes as `nnx.State`."""
+    _, _, user_out, aux = tree
+    info = aux.info
+    nodes = info.outputs
+    if nodes.graphdefs:
+        items = nodes.treedef.flatten_up_to(user_out)
+        for i, paths in nodes.paths.items():
+            items[i] = as_state(dict(zip(paths, items[i], strict=True)))
+        user_out = nodes.treedef.unflatten(items)
+    return user_out if info.container is None else info.container(user_out)

@@ -1,0 +1,248 @@
+"""The function handed to a backend: arrays in, arrays out, no reference to a caller's object.
+
+`PureFunction` rebuilds the caller's graph nodes from their arrays, calls the
+user's function on them, and returns what changed; `TraceInfo` is what its
+trace learned, carried out of the staged function as static output data
+(`Aux`), so the caller can write back without tracing again. As flax's
+`JitFn` is to `nnx.jit`, this is the body of a lifted function, apart from
+its wrapper (`meshlift.lift.Lifted`).
+
+Example:
+
+```python
+from meshlift.arguments import Signature
+from meshlift.layout import Call, Layout, Names, flatten_arguments
+
+def step(model, x):
+    model.bias[...] += 1
+    return model(x)
+
+model, x = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), jnp.ones((1, 2))
+leaves, treedef = flatten_arguments((model, x), {})
+call = Call(leaves, (model,))
+layout = Layout((model, x), {}, call, treedef, (), None, step,
+                signature=Signature(step), names=Names("step"))
+var_out, extra, out, aux = layout.pure(*layout.inputs(layout.split.gather(), call))
+assert aux.info.changed == (0,)              # the bias (split order: bias, kernel)
+assert var_out[1] is None and out.shape == (1, 3)
+assert float(model.bias[...].sum()) == 0.0   # the caller's model is not touched
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from meshlift import compat
+from meshlift.arguments import insert_statics, named_statics
+from meshlift.graph import (
+    GraphSplit,
+    GraphUpdate,
+    OutputNodes,
+    Rebuilt,
+    StaticObjects,
+    abstract_index_map,
+    caller_statics,
+    decode_outputs,
+    encode_outputs,
+)
+from meshlift.paths import Path, StructureChangedError, format_path, listing
+from meshlift.static_changes import StaticValues
+
+
+class TraceInfo:
+    """What tracing learned that the caller needs, carried out as static output data."""
+
+    def __init__(
+        self,
+        changed: tuple[int, ...],
+        update: GraphUpdate | None,
+        outputs: OutputNodes,
+        container: type | None,
+        traced: Any,
+    ):
+        self.changed = changed  # split positions of Variables with new values
+        self.pick_changed = picker(changed)  # their values out of the staged output
+        self.update = update  # a new graph for the arguments' nodes, if more than values changed
+        self.outputs = outputs  # graph nodes in the output
+        self.container = container  # the output's own list or tuple type, if staged as the other
+        self.traced = traced  # the split's graphdef it was traced from (its static objects)
+
+    def statics(self, split: GraphSplit) -> StaticObjects:
+        """The caller's static objects for those tracing saw, where a graph is rebuilt."""
+        if self.update is None and not self.outputs.graphdefs:
+            return None
+        return caller_statics(self.traced, split.graphdef)
+
+    def decode(self, user_out: Any, index_map: Any, statics: StaticObjects = None) -> Any:
+        """The caller's output: graph nodes rebuilt, its own top-level list or tuple."""
+        out = decode_outputs(user_out, self.outputs, index_map, statics)
+        return out if self.container is None else self.container(out)
+
+
+@jax.tree_util.register_pytree_node_class
+class Aux:
+    """A childless output node carrying a TraceInfo through jax's output treedef."""
+
+    __slots__ = ("info",)
+
+    def __init__(self, info: TraceInfo):
+        self.info = info
+
+    def tree_flatten(self) -> tuple[tuple[()], TraceInfo]:
+        return (), self.info
+
+    @classmethod
+    def tree_unflatten(cls, info: TraceInfo, _: Any) -> Aux:
+        return cls(info)
+
+
+class PureFunction:
+    """The function a backend stages for one argument layout (`meshlift.layout.Layout`).
+
+    Takes four tuples (kept Variables, kept other leaves, donated Variables,
+    donated other leaves) and returns `(variables, extra, output, aux)`: one
+    entry per Variable of the split (`None` where tracing found it unchanged),
+    the leaves of Variables the function created (on a graph update), the
+    output with graph nodes replaced by their arrays, and an `Aux`.
+    """
+
+    def __init__(self, fun: Callable[..., Any], layout: Any):
+        self.fun_ref = _weak(fun)  # the cache of staged functions must not keep it
+        self.graphdef = layout.split.graphdef
+        self.unchanged_graphdef = self.graphdef.with_same_outer_index()
+        self.treedef, self.statics = layout.treedef, layout.statics
+        self.node_pos = layout.node_pos
+        self.var_order = layout.var_groups[0] + layout.var_groups[1]
+        self.dyn_order = layout.dyn_groups[0] + layout.dyn_groups[1]
+        self.passed = layout.passed
+        self.donated = frozenset(layout.var_groups[1])
+        self.names = [format_path(layout.leaf_paths[i]) for i in layout.node_pos]
+        self.leaf_position = {
+            index: i for i, index in enumerate(layout.split.leaf_index) if index is not None
+        }
+        self.arrays = tuple(i for i, index in enumerate(layout.split.leaf_index) if index is None)
+        out_specs = layout.out_specs
+        self.out_container = type(out_specs) if type(out_specs) in (list, tuple) else None
+        self.__name__ = getattr(fun, "__name__", "lifted")
+        self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
+
+    def __call__(
+        self,
+        kept_vars: tuple[Any, ...],
+        kept_dyn: tuple[Any, ...],
+        donated_vars: tuple[Any, ...],
+        donated_dyn: tuple[Any, ...],
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...], Any, Aux]:
+        values: list[Any] = [None] * len(self.var_order)
+        for i, value in zip(self.var_order, (*kept_vars, *donated_vars), strict=True):
+            values[i] = value
+        rebuilt = Rebuilt(self.graphdef, values)
+        leaves: list[Any] = [None] * (len(self.node_pos) + len(self.dyn_order) + len(self.passed))
+        for i, node in zip(self.node_pos, rebuilt.nodes, strict=True):
+            leaves[i] = node
+        for i, value in self.passed.items():
+            leaves[i] = value
+        for i, value in zip(self.dyn_order, (*kept_dyn, *donated_dyn), strict=True):
+            leaves[i] = value
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        fun = self.fun_ref()
+        statics = StaticValues(rebuilt.nodes)  # the caller's own objects, shared by the trace
+        try:
+            out = fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
+        finally:
+            changed_in_place = statics.changed()
+            undone = not changed_in_place or statics.restore()
+        if changed_in_place:
+            self._refuse_static_changes(changed_in_place, undone)
+
+        ref_index, new_values, update = rebuilt.changes(
+            self.unchanged_graphdef, self.leaf_position, self.arrays
+        )
+        extra: list[Any] = []
+        if update is None:
+            # A Variable holding a container (sow, capture, perturb) may be changed in place.
+            changed = tuple(
+                i
+                for i, (new, old) in enumerate(zip(new_values, values, strict=True))
+                if (new is not old or i in self.donated or not hasattr(old, "shape"))
+                and not (new is old and compat.is_ref(old))  # a reference, mutated through
+            )
+            kept = frozenset(changed)
+            var_out = tuple(v if i in kept else None for i, v in enumerate(new_values))
+        else:
+            update.check_metadata(self.graphdef, self.names)
+            var_list: list[Any] = [None] * len(values)
+            for value, source in zip(new_values, update.sources, strict=True):
+                if source is None:
+                    extra.append(value)
+                elif source not in update.in_place:
+                    var_list[source] = value
+            changed, var_out = (), tuple(var_list)
+        container = type(out)
+        if container in (list, tuple) and self.out_container not in (None, container):
+            out = self.out_container(out)  # a list of specs matches a tuple output, and back
+        user_out, outputs = encode_outputs(out, ref_index)
+        info = TraceInfo(
+            changed,
+            update,
+            outputs,
+            container if type(out) is not container else None,
+            self.graphdef,
+        )
+        return var_out, tuple(extra), user_out, Aux(info)
+
+    def _refuse_static_changes(self, paths: list[Path], undone: bool) -> None:
+        shown = listing(format_path((self.names[p[0]], *p[1:])) for p in paths)  # type: ignore[call-overload]
+        raise StructureChangedError(
+            f"{self.__name__} changed {shown} in place. Static values are compiled into the "
+            f"program, and JAX runs the function's Python once per compile: later calls would "
+            f"run without the change. "
+            + ("It was undone and nothing" if undone else "It could not be undone; nothing else")
+            + " was written back. Assign a new value instead (`model.cfg = Config(...)`), or "
+            "change it outside the lifted function."
+        )
+
+
+def abstract_outputs(fun: Callable[..., Any], layout: Any, call: Any) -> tuple[Any, TraceInfo]:
+    """`fun`'s output for `layout` and `call`, graph nodes rebuilt as abstract modules, and
+    what tracing found; nothing runs and nothing is written back."""
+    values = [_abstract(v) for v in layout.split.gather()]
+    evaluate = getattr(fun, "eval_shape", None) or functools.partial(jax.eval_shape, fun)
+    var_out, extra, user_out, aux = evaluate(*layout.inputs(values, call))
+    info = aux.info
+    index_map = abstract_index_map(layout.split.graphdef, values)
+    statics = info.statics(layout.split)
+    if info.update is not None:
+        index_map = info.update.apply(info.update.leaves(var_out, extra), index_map, statics)
+    return info.decode(user_out, index_map, statics), info
+
+
+def picker(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function taking the items at `positions` out of a sequence, as a tuple."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    if positions:
+        (i,) = positions
+        return lambda items: (items[i],)
+    return lambda items: ()
+
+
+def _weak(fun: Callable[..., Any]) -> Callable[[], Any]:
+    """A weak reference to `fun`, or a strong one where it cannot be weakly referenced."""
+    try:
+        return weakref.ref(fun)
+    except TypeError:
+        return lambda: fun
+
+
+def _abstract(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return x
