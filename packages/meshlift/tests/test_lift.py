@@ -3,6 +3,7 @@
 import array
 import collections
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -119,6 +120,43 @@ def test_variable_whose_shape_changed_so_its_plan_no_longer_fits_is_named():
     # jax.jit refuses the same sharding for that shape, without a name
     with pytest.raises(ValueError, match="evenly divide"):
         jax.device_put(kernel, NamedSharding(mesh, P(None, "model")))
+
+
+def test_variable_whose_rank_changed_so_its_plan_no_longer_fits_is_named():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
+    total = ml.jit(lambda m: m.kernel[...].sum(), in_shardings=(plan,), mesh=mesh)
+    layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    total(layer)
+    layer.kernel.set_value(jnp.ones((8,)))
+    kernel = layer.kernel.get_raw_value()
+    with pytest.raises(
+        ml.PlanError,
+        match=r"`m.kernel` \(shape \(8,\)\) with in_shardings P\(None, 'model'\) on mesh "
+        r"\{'data': 2, 'model': 4\}: the spec has 2 entries but the array has rank 1",
+    ) as info:
+        total(layer)
+    assert "kept_vars" not in str(info.value)  # no staged name, JAX's error is the cause
+    assert layer.kernel.get_raw_value() is kernel
+    # jax.jit refuses the same sharding for that rank, naming no argument
+    with pytest.raises(ValueError, match="incompatible with its sharding"):
+        jax.device_put(kernel, NamedSharding(mesh, P(None, "model")))
+
+
+def test_a_jax_error_naming_a_staged_input_gets_a_note_naming_the_callers():
+    def branch(m, x):
+        return x if m.kernel[0, 0] > 0 else -x
+
+    layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        ml.jit(branch)(layer, jnp.ones(2))
+    assert "tracing the function branch at" in str(info.value)  # its own name, from JAX
+    staged = re.search(r"argument (kept_vars\[\d+\])", str(info.value))
+    assert staged
+    note = next(n for n in info.value.__notes__ if n.startswith("meshlift:"))
+    assert f"{staged.group(1)} is `m.kernel`" in note and "kept_dyn[" not in note
+    with pytest.raises(jax.errors.TracerBoolConversionError, match="argument k"):
+        jax.jit(lambda k, x: x if k[0, 0] > 0 else -x)(layer.kernel[...], jnp.ones(2))
 
 
 def test_output_spec_that_does_not_divide_the_output_is_named():

@@ -45,7 +45,7 @@ from meshlift import compat, resolve, speedups
 from meshlift.layout import Call, Layout
 from meshlift.paths import Path, StructureChangedError, TraceLeakError, format_path, listing
 from meshlift.pure import TraceInfo, abstract_outputs
-from meshlift.staged_errors import name_indivisible, rename_staged
+from meshlift.staged_errors import explain
 
 
 class Entry:
@@ -100,10 +100,9 @@ def recover(
             raise error
         outputs = staged(*layout.inputs(moved, call))
     except Exception as final:
-        rename_staged(layout, final)
         if layout.donated:
             _note_consumed(layout, final, values)
-        name_indivisible(layout, final, call)
+        explain(layout, final, call)
         raise
     return finish(entry, outputs, values, moved, call)
 

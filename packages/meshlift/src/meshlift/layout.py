@@ -50,7 +50,7 @@ from meshlift.graph import GraphSplit, is_graph_leaf, is_graph_type, raw
 from meshlift.paths import Path, PlanError, format_path
 from meshlift.pure import PureFunction, abstract_outputs, picker
 from meshlift.sharding import StateSharding
-from meshlift.staged_errors import rename_staged
+from meshlift.staged_errors import names_note
 from meshlift.structure import per_type
 
 # jax.jit aliases a mutable array reference to an output of its own, and may give a donated
@@ -219,7 +219,8 @@ class Layout:
         try:
             abstract_out, info = abstract_outputs(self.pure, self, call)
         except Exception as e:
-            rename_staged(self, e)
+            if note := names_note(self, str(e)):
+                e.add_note(note)
             raise PlanError(
                 f"{names.out_specs} holds a StateSharding, which meshlift resolves by tracing "
                 f"{names.function} abstractly, outside the {names.backend} backend; that "

@@ -32,7 +32,9 @@ assert float(model.bias[...].sum()) == 0.0   # the caller's model is not touched
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -130,8 +132,12 @@ class PureFunction:
         self.arrays = tuple(i for i, index in enumerate(layout.split.leaf_index) if index is None)
         out_specs = layout.out_specs
         self.out_container = type(out_specs) if type(out_specs) in (list, tuple) else None
+        self.key = layout.key
         self.__name__ = getattr(fun, "__name__", "lifted")
         self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
+        code = _code(fun)
+        if code is not None:  # where JAX's messages say the function is ("step at x.py:12")
+            self.__code__ = code
 
     def __call__(
         self,
@@ -152,6 +158,7 @@ class PureFunction:
         for i, value in zip(self.dyn_order, (*kept_dyn, *donated_dyn), strict=True):
             leaves[i] = value
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        _LAST_TRACE.key, _LAST_TRACE.state = self.key, RUNNING
         fun = self.fun_ref()
         statics = StaticValues(rebuilt.nodes)  # the caller's own objects, shared by the trace
         try:
@@ -196,6 +203,7 @@ class PureFunction:
             container if type(out) is not container else None,
             self.graphdef,
         )
+        _LAST_TRACE.state = RETURNED
         return var_out, tuple(extra), user_out, Aux(info)
 
     def _refuse_static_changes(self, paths: list[Path], undone: bool) -> None:
@@ -208,6 +216,24 @@ class PureFunction:
             + " was written back. Assign a new value instead (`model.cfg = Config(...)`), or "
             "change it outside the lifted function."
         )
+
+
+class _LastTrace(threading.local):
+    """How far the last trace of a pure function in this thread got: `key` is its layout's,
+    `state` RUNNING from when the lifted function is called, RETURNED once all returned."""
+
+    key: Any = None
+    state: str | None = None
+
+
+RUNNING, RETURNED = "running", "returned"
+_LAST_TRACE = _LastTrace()
+
+
+def last_trace(key: Any) -> str | None:
+    """RUNNING if the last trace for the layout `key` stopped inside the lifted function
+    (it raised there), RETURNED if it returned, None if no trace of it is on record."""
+    return _LAST_TRACE.state if _LAST_TRACE.key == key else None
 
 
 def abstract_outputs(fun: Callable[..., Any], layout: Any, call: Any) -> tuple[Any, TraceInfo]:
@@ -240,6 +266,13 @@ def _weak(fun: Callable[..., Any]) -> Callable[[], Any]:
         return weakref.ref(fun)
     except TypeError:
         return lambda: fun
+
+
+def _code(fun: Any) -> Any:
+    """The code object of `fun`, through partials and wrappers; None for other callables."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return getattr(inspect.unwrap(fun), "__code__", None)
 
 
 def _abstract(x: Any) -> Any:

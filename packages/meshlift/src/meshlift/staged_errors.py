@@ -1,10 +1,14 @@
-"""JAX's errors about a staged function, told in the caller's names.
+"""JAX's errors about a staged function, in the caller's names.
 
-JAX names the staged function's inputs (`kept_dyn[0]`) and output specs
-(`out_specs[0][3]`), and says "does not evenly divide" without saying
-whose shape. `named_errors` puts the caller's paths into those errors
-(`model.kernel`, `batch`), or raises a `PlanError` naming the argument
-whose spec does not fit, and otherwise lets JAX's error stand.
+A lifted call hands JAX a pure function of four tuples (`kept_vars`,
+`kept_dyn`, `donated_vars`, `donated_dyn`; see `meshlift.pure`). When JAX
+refuses a call, meshlift checks what it can in the caller's terms: each
+Variable's array and each argument against its spec on the mesh, and, if
+the trace got past the lifted function, the output against the output
+specs. A problem found is raised as a `PlanError` naming the path, with
+JAX's error as its cause. Otherwise JAX's error stands word for word, and
+where it names the staged function's inputs or outputs, a note says whose
+they are: JAX's wording is never parsed or rewritten.
 
 Example:
 
@@ -24,18 +28,16 @@ with pytest.raises(ml.PlanError, match="batch"):
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from typing import Any
 
 from meshlift import resolve
 from meshlift.paths import PlanError, format_path
-from meshlift.pure import abstract_outputs
+from meshlift.pure import RETURNED, RUNNING, abstract_outputs, last_trace
 
-# the staged function's four inputs, as JAX's messages name them
-_INPUT_GROUPS = {"kept_vars": 0, "kept_dyn": 1, "donated_vars": 2, "donated_dyn": 3}
-_STAGED_INPUT = re.compile(r"\b(kept_vars|kept_dyn|donated_vars|donated_dyn)\[(\d+)\]")
-_STAGED_OUTPUT = re.compile(r"\b(out_specs|out_shardings)((?:\[\d+\])+)")
+_INPUT_GROUPS = ("kept_vars", "kept_dyn", "donated_vars", "donated_dyn")  # the pure function's
+_OUTPUT_NAMES = ("out_shardings", "out_specs")  # JAX's names for the output's specs
+_NAMES_SHOWN = 12  # entries a note lists at most
 
 
 @contextlib.contextmanager
@@ -44,18 +46,27 @@ def named_errors(layout: Any, call: Any = None) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        rename_staged(layout, error)
-        name_indivisible(layout, error, call)
+        explain(layout, error, call)
         raise
 
 
-def name_indivisible(layout: Any, error: BaseException, call: Any) -> None:
-    """JAX found a sharding that does not divide a shape, without saying whose: raise a
-    PlanError naming the argument or output (a Variable whose shape changed since its
-    plan was resolved, an output spec that does not fit). Without this call's leaves
-    (`call` None) only the Variables are looked at."""
-    if not isinstance(error, ValueError) or "evenly divide" not in str(error):
-        return
+def explain(layout: Any, error: BaseException, call: Any) -> None:
+    """Raise a PlanError naming the argument or output JAX refused in `error`, if the plan
+    shows one; else note whose are the staged names `error` shows. Without this call's
+    leaves (`call` None) only the Variables are checked."""
+    trace = last_trace(layout.key)
+    if trace != RUNNING and isinstance(error, ValueError):  # a PlanError is a ValueError
+        problem = _plan_problem(layout, call, check_output=trace == RETURNED)
+        if problem is not None:
+            raise problem from error
+    note = names_note(layout, str(error))
+    if note:
+        error.add_note(note)
+
+
+def _plan_problem(layout: Any, call: Any, check_output: bool) -> PlanError | None:
+    """The first problem of the plan with this call's Variables, arguments and (if
+    `check_output`) output, as a PlanError; None if none is found."""
     names, mesh = layout.names, layout.mesh
     try:
         values = layout.split.gather()
@@ -63,46 +74,45 @@ def name_indivisible(layout: Any, error: BaseException, call: Any) -> None:
             path = format_path(layout.variable_path(i))
             resolve.to_sharding(sharding, mesh, path, value, names.in_specs)
         if call is None:
-            return
+            return None
         for pos, sharding in layout.dyn_shardings.items():
             path = format_path(layout.leaf_paths[pos])
             resolve.to_sharding(sharding, mesh, path, call.leaves[pos], names.in_specs)
-        abstract_out, info = abstract_outputs(layout.pure, layout, call)
-        resolve.output_shardings(
-            layout.out_specs, abstract_out, info.outputs, mesh, names.out_specs
-        )
-    except PlanError as named:
-        raise named from error
-    except Exception:  # the explanation failed: JAX's own error stands
-        return
+        if check_output:
+            abstract_out, info = abstract_outputs(layout.pure, layout, call)
+            resolve.output_shardings(
+                layout.out_specs, abstract_out, info.outputs, mesh, names.out_specs
+            )
+    except PlanError as problem:
+        return problem
+    except Exception:  # the check itself failed (an abstract trace, say): JAX's error stands
+        return None
+    return None
 
 
-def rename_staged(layout: Any, error: BaseException) -> None:
-    """Put the caller's names in a JAX error that names the staged function's inputs
-    (`kept_dyn[0]`) or output specs (`out_specs[0][3]`)."""
-    if len(error.args) != 1 or not isinstance(error.args[0], str):
-        return
-    text = _STAGED_INPUT.sub(lambda match: _input_name(layout, match), error.args[0])
-    text = _STAGED_OUTPUT.sub(lambda match: _output_name(layout, match), text)
-    text = text.replace("the function <unknown>", f"the function {layout.names.function}")
-    error.args = (text,)
-
-
-def _input_name(layout: Any, match: re.Match[str]) -> str:
-    group, j = _INPUT_GROUPS[match.group(1)], int(match.group(2))
-    positions = (layout.var_groups, layout.dyn_groups)[group % 2][group // 2]
-    if j >= len(positions):
-        return match.group(0)
-    if group % 2 == 0:
-        return f"`{format_path(layout.variable_path(positions[j]))}`"
-    return f"`{format_path(layout.leaf_paths[positions[j]])}`"
-
-
-def _output_name(layout: Any, match: re.Match[str]) -> str:
-    """`[0][i]`: the Variable at split position i; `[2]...`: the caller's output."""
-    where, *rest = (int(i) for i in re.findall(r"\d+", match.group(2)))
-    if where == 0 and len(rest) == 1 and rest[0] < len(layout.split.paths):
-        return f"the Variable `{format_path(layout.variable_path(rest[0]))}` (written back)"
-    if where == 2:
-        return f"{layout.names.out_specs} for `{format_path(('output', *map(str, rest)))}`"
-    return match.group(0)
+def names_note(layout: Any, message: str) -> str | None:
+    """A note saying whose are the staged inputs and outputs `message` names, if any."""
+    said = []
+    for g, group in enumerate(_INPUT_GROUPS):
+        if f"{group}[" not in message:
+            continue
+        positions = (layout.var_groups, layout.dyn_groups)[g % 2][g // 2]
+        for j, pos in enumerate(positions):
+            if f"{group}[{j}]" in message:
+                path = layout.variable_path(pos) if g % 2 == 0 else layout.leaf_paths[pos]
+                said.append(f"{group}[{j}] is `{format_path(path)}`")
+    for name in _OUTPUT_NAMES:
+        for i in range(len(layout.split.paths)):
+            if f"{name}[0][{i}]" in message:
+                path = format_path(layout.variable_path(i))
+                said.append(f"{name}[0][{i}] is the Variable `{path}` (written back)")
+        if f"{name}[2]" in message:
+            said.append(f"{name}[2] is the output of {layout.names.function}")
+    if not said:
+        return None
+    shown = "; ".join(said[:_NAMES_SHOWN])
+    more = f"; and {len(said) - _NAMES_SHOWN} more" if len(said) > _NAMES_SHOWN else ""
+    return (
+        f"meshlift: {layout.names.function} was staged as a function of "
+        f"(kept_vars, kept_dyn, donated_vars, donated_dyn): {shown}{more}."
+    )
