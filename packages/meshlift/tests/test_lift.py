@@ -294,6 +294,7 @@ def plan_steps(request, monkeypatch):
             "read_each_is",
             "write_each",
             "same_dicts",
+            "plan_matches",
             "plan_inputs",
             "plan_write",
         ):
@@ -490,4 +491,5 @@ def test_a_step_that_writes_a_typed_key_back_runs_the_general_way(plan_steps):
         np.testing.assert_array_equal(
             jax.random.key_data(model.key[...]), jax.random.key_data(twin.key[...])
         )
-    assert lifted._plan is None  # a typed key is no plain array: the plan could not write it
+    # a typed key is no plain array: the plan could not write it, so it only skips the lookup
+    assert lifted._plan is not None and lifted._plan.slot is None

@@ -21,7 +21,8 @@ TWINS = {
     "Python": type(
         "Twins",
         (),
-        {name: staticmethod(getattr(speedups, f"_{name}")) for name in speedups.LOOPS},
+        {name: staticmethod(getattr(speedups, f"_{name}")) for name in speedups.LOOPS}
+        | {"CallPlan": speedups._CallPlan},
     ),
 }
 
@@ -185,12 +186,14 @@ class Node:
 
 
 class Plan:
-    """A CallPlan over two boxes (the Variables), a node argument and a float argument."""
+    """A CallPlan (of `impl`) over two boxes (the Variables), a node argument and a float
+    argument; `replace(**fields)` makes it again with other fields."""
 
-    def __init__(self, **fields):
+    def __init__(self, impl, **fields):
+        self.impl = impl
         self.node, self.boxes, self.info = Node(), (Box(1.0), Box(2.0)), object()
         self.mesh = object()
-        defaults = dict(
+        self.fields = dict(
             mesh_source=lambda: self.mesh,
             mesh=self.mesh,
             types=(Node, float),
@@ -209,7 +212,11 @@ class Plan:
             staged=None,
             entry=None,
         )
-        self.plan = speedups.CallPlan(**(defaults | fields))
+        self.replace(**fields)
+
+    def replace(self, **fields):
+        self.fields |= fields
+        self.plan = self.impl.CallPlan(**self.fields)
 
     def outputs(self, *new, info=None):
         aux = types.SimpleNamespace(info=self.info if info is None else info)
@@ -217,8 +224,9 @@ class Plan:
 
 
 def test_plan_inputs_of_a_matching_call(impl):
-    p = Plan()
+    p = Plan(impl)
     assert impl.plan_inputs(p.plan, (p.node, 0.5)) == ((1.0, 2.0), (0.5,), (), ())
+    assert impl.plan_matches(p.plan, (p.node, 0.5)) is True
 
 
 @pytest.mark.parametrize(
@@ -234,12 +242,12 @@ def test_plan_inputs_of_a_matching_call(impl):
     ],
 )
 def test_plan_inputs_miss(impl, change):
-    p = Plan()
+    p = Plan(impl)
     args = (p.node, 0.5)
     if change == "another mesh":
         p.mesh = object()
     elif change == "mesh refused":
-        p.plan = p.plan._replace(mesh_source=lambda: 1 / 0)
+        p.replace(mesh_source=lambda: 1 / 0)
     elif change == "fewer arguments":
         args = (p.node,)
     elif change == "another type":
@@ -247,27 +255,37 @@ def test_plan_inputs_miss(impl, change):
     elif change == "another node":
         args = (Node(), 0.5)
     elif change == "collected node":
-        p.plan = p.plan._replace(node_refs=(weakref.ref(Node()),))
+        p.replace(node_refs=(weakref.ref(Node()),))
     else:
-        p.plan = p.plan._replace(unchanged=lambda: False)
+        p.replace(unchanged=lambda: False)
     assert impl.plan_inputs(p.plan, args) is None
+    # matching leaves the mesh to the caller; everything else must hold
+    assert impl.plan_matches(p.plan, args) is (change in ("another mesh", "mesh refused"))
+
+
+def test_a_plan_without_a_slot_only_matches(impl):
+    p = Plan(impl, slot=None, variables=(), targets=(), info=None)
+    assert impl.plan_inputs(p.plan, (p.node, 0.5)) is None
+    assert impl.plan_matches(p.plan, (p.node, 0.5)) is True
+    assert impl.plan_write(p.plan, p.outputs(None, 5.0)) is False
+    assert [box.item for box in p.boxes] == [1.0, 2.0]
 
 
 def test_plan_inputs_of_a_donating_call(impl):
-    p = Plan(dyn_positions=(), donated_dyn_positions=(1,))
-    p.plan = p.plan._replace(variables=p.boxes[:1], donated_variables=p.boxes[1:])
+    p = Plan(impl, dyn_positions=(), donated_dyn_positions=(1,))
+    p.replace(variables=p.boxes[:1], donated_variables=p.boxes[1:])
     assert impl.plan_inputs(p.plan, (p.node, 0.5)) == ((1.0,), (), (2.0,), (0.5,))
 
 
 @pytest.mark.parametrize("shared", ["donated twice", "donated and kept"])
 def test_plan_inputs_miss_when_a_donated_input_is_shared(impl, shared):
-    p = Plan()
+    p = Plan(impl)
     if shared == "donated twice":  # two Variables hold one object
         p.boxes[1].item = p.boxes[0].item
-        p.plan = p.plan._replace(variables=(), donated_variables=p.boxes)
+        p.replace(variables=(), donated_variables=p.boxes)
     else:  # an argument that a kept Variable holds too
         p.boxes[0].item = 0.5
-        p.plan = p.plan._replace(dyn_positions=(), donated_dyn_positions=(1,))
+        p.replace(dyn_positions=(), donated_dyn_positions=(1,))
     assert impl.plan_inputs(p.plan, (p.node, p.boxes[0].item)) is None
 
 
@@ -283,26 +301,26 @@ def test_plan_inputs_lets_errors_that_are_no_exception_through(impl):
     def interrupted():
         raise KeyboardInterrupt
 
-    p = Plan(mesh_source=interrupted)
+    p = Plan(impl, mesh_source=interrupted)
     with pytest.raises(KeyboardInterrupt):
         impl.plan_inputs(p.plan, (p.node, 0.5))
 
 
 def test_plan_inputs_without_a_mesh_source_reads_no_mesh(impl):
-    p = Plan(mesh_source=None, mesh=None)
+    p = Plan(impl, mesh_source=None, mesh=None)
     assert impl.plan_inputs(p.plan, (p.node, 0.5))[0] == (1.0, 2.0)
 
 
 def test_plan_write(impl):
-    p = Plan()
+    p = Plan(impl)
     assert impl.plan_write(p.plan, p.outputs(None, 5.0)) is True
     assert [box.item for box in p.boxes] == [1.0, 5.0]
 
 
 @pytest.mark.parametrize("change", ["another trace", "not an array", "no aux", "short output"])
 def test_plan_write_refuses_and_writes_nothing(impl, change):
-    p = Plan(changed=(0, 1))
-    p.plan = p.plan._replace(targets=p.boxes)
+    p = Plan(impl, changed=(0, 1))
+    p.replace(targets=p.boxes)
     outputs = {
         "another trace": p.outputs(7.0, 8.0, info=object()),
         "not an array": p.outputs(7.0, [8.0]),  # a container changed in place, or a tracer
@@ -316,8 +334,23 @@ def test_plan_write_refuses_and_writes_nothing(impl, change):
 def test_plan_c_steps_check_the_plan():
     with pytest.raises(TypeError, match="expected a CallPlan, got list"):
         _speedups.plan_inputs([], ())
-    p = Plan()
+    p = Plan(_speedups)
     with pytest.raises(TypeError, match="args must be a tuple, not list"):
         _speedups.plan_inputs(p.plan, [p.node, 0.5])
-    with pytest.raises(TypeError, match="CallPlan field 2 must be a tuple"):
-        _speedups.plan_write(p.plan._replace(types=[Node, float]), p.outputs(None, 1.0))
+    with pytest.raises(TypeError, match="expected a CallPlan, got CallPlan"):  # the twin's
+        _speedups.plan_write(Plan(TWINS["Python"]).plan, p.outputs(None, 1.0))
+
+
+def test_a_plan_is_made_by_keyword_with_tuples_and_is_read_only(impl):
+    p = Plan(impl)
+    with pytest.raises(TypeError, match="types must be a tuple, not list"):
+        p.replace(types=[Node, float])
+    fields = dict(p.fields, types=(Node, float))
+    with pytest.raises(TypeError, match="takes its 17 fields by keyword"):
+        impl.CallPlan(**{k: v for k, v in fields.items() if k != "entry"})
+    with pytest.raises(TypeError):
+        impl.CallPlan(*fields.values())
+    plan = impl.CallPlan(**fields)
+    assert [getattr(plan, name) for name in fields] == list(fields.values())
+    with pytest.raises(AttributeError):
+        plan.mesh = None

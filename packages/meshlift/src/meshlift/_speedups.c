@@ -1,5 +1,6 @@
 /* meshlift._speedups: the per-call loops over Variables and attribute dicts, in C,
- * and a repeated call's two steps around its staged function (plan_inputs, plan_write).
+ * and a repeated call's steps around its staged function, read from a CallPlan
+ * (plan_matches, plan_inputs, plan_write).
  *
  * Each function has a pure-Python twin in meshlift/speedups.py, with the same
  * results; that module picks this one when it was built. Every loop runs over
@@ -8,6 +9,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
+#include <structmember.h>
 
 /* Whether the call has one argument per name, each named one a tuple (names[k] NULL:
  * any object); else -1 with a TypeError naming the function and the argument. */
@@ -254,54 +257,133 @@ same_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
-/* The fields of a CallPlan (meshlift/speedups.py), by position. */
-enum {
-    MESH_SOURCE,
-    MESH,
-    TYPES,
-    NODE_POSITIONS,
-    NODE_REFS,
-    UNCHANGED,
-    SLOT,
-    VARIABLES,
-    DYN_POSITIONS,
-    DONATED_VARIABLES,
-    DONATED_DYN_POSITIONS,
-    INFO,
-    CHANGED,
-    TARGETS,
-    ARRAY_TYPE,
-    PLAN_FIELDS,
+/* A CallPlan: what a repeated call of one lifted function needs (meshlift/speedups.py
+ * documents each field; its pure-Python twin has the same names). Made by keyword,
+ * read-only; the tuple fields are checked to be tuples when it is made. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *mesh_source, *mesh, *types, *node_positions, *node_refs, *unchanged, *slot,
+        *variables, *dyn_positions, *donated_variables, *donated_dyn_positions, *info,
+        *changed, *targets, *array_type, *staged, *entry;
+} CallPlan;
+
+#define PLAN_MEMBER(name) {#name, T_OBJECT_EX, offsetof(CallPlan, name), READONLY, NULL}
+
+static PyMemberDef plan_members[] = {
+    PLAN_MEMBER(mesh_source), PLAN_MEMBER(mesh), PLAN_MEMBER(types),
+    PLAN_MEMBER(node_positions), PLAN_MEMBER(node_refs), PLAN_MEMBER(unchanged),
+    PLAN_MEMBER(slot), PLAN_MEMBER(variables), PLAN_MEMBER(dyn_positions),
+    PLAN_MEMBER(donated_variables), PLAN_MEMBER(donated_dyn_positions), PLAN_MEMBER(info),
+    PLAN_MEMBER(changed), PLAN_MEMBER(targets), PLAN_MEMBER(array_type),
+    PLAN_MEMBER(staged), PLAN_MEMBER(entry), {NULL},
 };
 
-/* The fields that must be exact tuples. */
-static const int plan_tuples[] = {
-    TYPES, NODE_POSITIONS, NODE_REFS, VARIABLES, DYN_POSITIONS, DONATED_VARIABLES,
-    DONATED_DYN_POSITIONS, CHANGED, TARGETS,
-};
+#define PLAN_FIELDS 17
 
-/* The plan (borrowed) if `args` are a CallPlan and one more object; else NULL, TypeError set. */
-static PyObject *
-plan_of(const char *function, PyObject *const *args, Py_ssize_t nargs)
+/* The address of each field, in the order of plan_members. */
+static PyObject **
+plan_field(CallPlan *plan, int k)
 {
-    static const char *const names[] = {NULL, NULL};
+    return (PyObject **)((char *)plan + plan_members[k].offset);
+}
+
+static PyObject *
+plan_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[PLAN_FIELDS + 1];
+    if (names[0] == NULL) {
+        for (int k = 0; k < PLAN_FIELDS; k++) {
+            names[k] = (char *)plan_members[k].name;
+        }
+    }
+    PyObject *f[PLAN_FIELDS] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OOOOOOOOOOOOOOOOO:CallPlan", names, &f[0],
+                                     &f[1], &f[2], &f[3], &f[4], &f[5], &f[6], &f[7], &f[8],
+                                     &f[9], &f[10], &f[11], &f[12], &f[13], &f[14], &f[15],
+                                     &f[16])) {
+        return NULL;
+    }
+    Py_ssize_t given = kwargs == NULL ? 0 : PyDict_GET_SIZE(kwargs);
+    if (PyTuple_GET_SIZE(args) != 0 || given != PLAN_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "CallPlan() takes its %d fields by keyword, each once",
+                     PLAN_FIELDS);
+        return NULL;
+    }
+    static const char *const tuples[] = {"types", "node_positions", "node_refs", "variables",
+                                         "dyn_positions", "donated_variables",
+                                         "donated_dyn_positions", "changed", "targets"};
+    for (int k = 0; k < PLAN_FIELDS; k++) {
+        for (size_t t = 0; t < sizeof(tuples) / sizeof(tuples[0]); t++) {
+            if (strcmp(plan_members[k].name, tuples[t]) == 0 && !PyTuple_CheckExact(f[k])) {
+                PyErr_Format(PyExc_TypeError, "CallPlan(): %s must be a tuple, not %.200s",
+                             tuples[t], Py_TYPE(f[k])->tp_name);
+                return NULL;
+            }
+        }
+    }
+    CallPlan *plan = (CallPlan *)type->tp_alloc(type, 0);
+    if (plan == NULL) {
+        return NULL;
+    }
+    for (int k = 0; k < PLAN_FIELDS; k++) {
+        *plan_field(plan, k) = Py_NewRef(f[k]);
+    }
+    return (PyObject *)plan;
+}
+
+static int
+plan_traverse(CallPlan *plan, visitproc visit, void *arg)
+{
+    for (int k = 0; k < PLAN_FIELDS; k++) {
+        Py_VISIT(*plan_field(plan, k));
+    }
+    return 0;
+}
+
+static int
+plan_clear(CallPlan *plan)
+{
+    for (int k = 0; k < PLAN_FIELDS; k++) {
+        Py_CLEAR(*plan_field(plan, k));
+    }
+    return 0;
+}
+
+static void
+plan_dealloc(CallPlan *plan)
+{
+    PyObject_GC_UnTrack(plan);
+    plan_clear(plan);
+    Py_TYPE(plan)->tp_free((PyObject *)plan);
+}
+
+static PyTypeObject CallPlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshlift._speedups.CallPlan",
+    .tp_doc = "What a repeated call of one lifted function needs (see meshlift.speedups).",
+    .tp_basicsize = sizeof(CallPlan),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = plan_new,
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_traverse = (traverseproc)plan_traverse,
+    .tp_clear = (inquiry)plan_clear,
+    .tp_members = plan_members,
+};
+
+/* The plan (borrowed) if `args` are a CallPlan and a tuple; else NULL, TypeError set. */
+static CallPlan *
+plan_of(const char *function, PyObject *const *args, Py_ssize_t nargs, const char *second)
+{
+    const char *const names[] = {NULL, second};
     if (check_args(function, args, nargs, 2, names) < 0) {
         return NULL;
     }
-    PyObject *plan = args[0];
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) < PLAN_FIELDS) {
+    if (!Py_IS_TYPE(args[0], &CallPlanType)) {
         PyErr_Format(PyExc_TypeError, "%s(): expected a CallPlan, got %.200s", function,
-                     Py_TYPE(plan)->tp_name);
+                     Py_TYPE(args[0])->tp_name);
         return NULL;
     }
-    for (size_t k = 0; k < sizeof(plan_tuples) / sizeof(plan_tuples[0]); k++) {
-        if (!PyTuple_CheckExact(PyTuple_GET_ITEM(plan, plan_tuples[k]))) {
-            PyErr_Format(PyExc_TypeError, "%s(): CallPlan field %d must be a tuple", function,
-                         plan_tuples[k]);
-            return NULL;
-        }
-    }
-    return plan;
+    return (CallPlan *)args[0];
 }
 
 /* The item of `tuple` at the int `index`, borrowed; NULL, with no error set, if out of
@@ -415,74 +497,88 @@ donated_alone(PyObject *kept_vars, PyObject *kept_dyn, PyObject *donated_vars,
     return alone;
 }
 
-/* plan_inputs(plan, args) -> the staged function's four inputs, or None if `args`
- * do not match the plan. */
-static PyObject *
-plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* Whether the call's `args` (a tuple) match the plan's types, its graph nodes are the
+ * plan's, and their structure is unchanged: 1 or 0, -1 on error. */
+static int
+plan_match(CallPlan *plan, PyObject *args)
 {
-    PyObject *plan = plan_of("plan_inputs", args, nargs);
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (PyTuple_GET_SIZE(plan->types) != n) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i)) != PyTuple_GET_ITEM(plan->types, i)) {
+            return 0;
+        }
+    }
+    if (PyTuple_GET_SIZE(plan->node_refs) != PyTuple_GET_SIZE(plan->node_positions)) {
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(plan->node_positions); k++) {
+        PyObject *node = item_at(args, PyTuple_GET_ITEM(plan->node_positions, k));
+        if (node == NULL) {
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        int same = refers_to(PyTuple_GET_ITEM(plan->node_refs, k), node);
+        if (same <= 0) {
+            return same;
+        }
+    }
+    PyObject *verdict = PyObject_CallNoArgs(plan->unchanged);
+    if (verdict == NULL) {
+        return -1;
+    }
+    int unchanged = PyObject_IsTrue(verdict);
+    Py_DECREF(verdict);
+    return unchanged;
+}
+
+/* plan_matches(plan, args) -> whether a call with `args` may run the plan's entry. */
+static PyObject *
+plan_matches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    CallPlan *plan = plan_of("plan_matches", args, nargs, "args");
     if (plan == NULL) {
         return NULL;
     }
-    PyObject *call_args = args[1];
-    if (!PyTuple_CheckExact(call_args)) {
-        PyErr_Format(PyExc_TypeError, "plan_inputs(): args must be a tuple, not %.200s",
-                     Py_TYPE(call_args)->tp_name);
+    int match = plan_match(plan, args[1]);
+    return match < 0 ? NULL : PyBool_FromLong(match);
+}
+
+/* plan_inputs(plan, args) -> the staged function's four inputs, or None if `args`
+ * do not match the plan, the mesh in context is another, or the plan cannot read
+ * its Variables (its slot is None). */
+static PyObject *
+plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    CallPlan *plan = plan_of("plan_inputs", args, nargs, "args");
+    if (plan == NULL) {
         return NULL;
     }
-    PyObject *source = PyTuple_GET_ITEM(plan, MESH_SOURCE);
-    if (source != Py_None) {  /* on an error the general path asks again, and raises it */
-        int same = is_expected(PyObject_CallNoArgs(source), PyTuple_GET_ITEM(plan, MESH),
+    if (plan->slot == Py_None) {
+        Py_RETURN_NONE;
+    }
+    if (plan->mesh_source != Py_None) {  /* on an error the general path asks again */
+        int same = is_expected(PyObject_CallNoArgs(plan->mesh_source), plan->mesh,
                                PyExc_Exception);
         if (same <= 0) {
             return same < 0 ? NULL : Py_NewRef(Py_None);
         }
     }
-    PyObject *types = PyTuple_GET_ITEM(plan, TYPES);
-    Py_ssize_t n = PyTuple_GET_SIZE(call_args);
-    if (PyTuple_GET_SIZE(types) != n) {
-        Py_RETURN_NONE;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(call_args, i)) != PyTuple_GET_ITEM(types, i)) {
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *positions = PyTuple_GET_ITEM(plan, NODE_POSITIONS);
-    PyObject *refs = PyTuple_GET_ITEM(plan, NODE_REFS);
-    if (PyTuple_GET_SIZE(refs) != PyTuple_GET_SIZE(positions)) {
-        Py_RETURN_NONE;
-    }
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(positions); k++) {
-        PyObject *node = item_at(call_args, PyTuple_GET_ITEM(positions, k));
-        if (node == NULL) {
-            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-        }
-        int same = refers_to(PyTuple_GET_ITEM(refs, k), node);
-        if (same <= 0) {
-            return same < 0 ? NULL : Py_NewRef(Py_None);
-        }
-    }
-    PyObject *verdict = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, UNCHANGED));
-    if (verdict == NULL) {
-        return NULL;
-    }
-    int unchanged = PyObject_IsTrue(verdict);
-    Py_DECREF(verdict);
-    if (unchanged <= 0) {
-        return unchanged < 0 ? NULL : Py_NewRef(Py_None);
+    int match = plan_match(plan, args[1]);
+    if (match <= 0) {
+        return match < 0 ? NULL : Py_NewRef(Py_None);
     }
     /* kept Variables, kept arguments, donated Variables, donated arguments */
-    static const int group_fields[4] = {VARIABLES, DYN_POSITIONS, DONATED_VARIABLES,
-                                        DONATED_DYN_POSITIONS};
+    PyObject *fields[4] = {plan->variables, plan->dyn_positions, plan->donated_variables,
+                           plan->donated_dyn_positions};
     PyObject *inputs = PyTuple_New(4);
     if (inputs == NULL) {
         return NULL;
     }
     for (int g = 0; g < 4; g++) {
-        PyObject *field = PyTuple_GET_ITEM(plan, group_fields[g]);
-        PyObject *group = g % 2 == 0 ? read_all(PyTuple_GET_ITEM(plan, SLOT), field)
-                                     : items_at(call_args, field);
+        PyObject *group = g % 2 == 0 ? read_all(plan->slot, fields[g])
+                                     : items_at(args[1], fields[g]);
         if (group == NULL || group == Py_None) {  /* an error, or a position out of range */
             Py_DECREF(inputs);
             return group;
@@ -499,25 +595,25 @@ plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* plan_write(plan, outputs) -> True once the staged outputs are written back as the plan
- * says; False, writing nothing, if they do not carry its trace info or a value to write
- * is not of its array type (a tracer, say). */
+ * says; False, writing nothing, if they do not carry its trace info (None: the plan
+ * writes nothing) or a value to write is not of its array type (a tracer, say). */
 static PyObject *
 plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static PyObject *info_name = NULL;
-    PyObject *plan = plan_of("plan_write", args, nargs);
+    CallPlan *plan = plan_of("plan_write", args, nargs, NULL);
     if (plan == NULL) {
         return NULL;
     }
     PyObject *outputs = args[1];
-    if (!PyTuple_CheckExact(outputs) || PyTuple_GET_SIZE(outputs) != 4) {
+    if (plan->info == Py_None || !PyTuple_CheckExact(outputs) || PyTuple_GET_SIZE(outputs) != 4) {
         Py_RETURN_FALSE;
     }
     if (info_name == NULL && (info_name = PyUnicode_InternFromString("info")) == NULL) {
         return NULL;
     }
     int same = is_expected(PyObject_GetAttr(PyTuple_GET_ITEM(outputs, 3), info_name),
-                           PyTuple_GET_ITEM(plan, INFO), PyExc_AttributeError);
+                           plan->info, PyExc_AttributeError);
     if (same < 0) {
         return NULL;
     }
@@ -525,7 +621,7 @@ plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!same || !PyTuple_CheckExact(var_out)) {
         Py_RETURN_FALSE;
     }
-    PyObject *new = items_at(var_out, PyTuple_GET_ITEM(plan, CHANGED));
+    PyObject *new = items_at(var_out, plan->changed);
     if (new == NULL) {
         return NULL;
     }
@@ -533,15 +629,13 @@ plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(new);
         Py_RETURN_FALSE;
     }
-    PyObject *array_type = PyTuple_GET_ITEM(plan, ARRAY_TYPE);
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(new); j++) {
-        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(new, j)) != array_type) {
+        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(new, j)) != plan->array_type) {
             Py_DECREF(new);
             Py_RETURN_FALSE;
         }
     }
-    int written = write_all("plan_write", PyTuple_GET_ITEM(plan, SLOT),
-                            PyTuple_GET_ITEM(plan, TARGETS), new);
+    int written = write_all("plan_write", plan->slot, plan->targets, new);
     Py_DECREF(new);
     if (written < 0) {
         return NULL;
@@ -560,11 +654,27 @@ static PyMethodDef methods[] = {
      "same_dicts(holders, dicts) -> whether each holder (or weakref's referent) has that __dict__"},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(dicts, sizes, keys, values) -> whether the dicts hold these items"},
+    {"plan_matches", (PyCFunction)(void (*)(void))plan_matches, METH_FASTCALL,
+     "plan_matches(plan, args) -> whether a call with these arguments may run the plan's entry"},
     {"plan_inputs", (PyCFunction)(void (*)(void))plan_inputs, METH_FASTCALL,
      "plan_inputs(plan, args) -> the staged inputs of a call matching a CallPlan, or None"},
     {"plan_write", (PyCFunction)(void (*)(void))plan_write, METH_FASTCALL,
      "plan_write(plan, outputs) -> whether the staged outputs were written back"},
     {NULL, NULL, 0, NULL},
+};
+
+static int
+module_exec(PyObject *module)
+{
+    if (PyType_Ready(&CallPlanType) < 0) {
+        return -1;
+    }
+    return PyModule_AddObjectRef(module, "CallPlan", (PyObject *)&CallPlanType);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
 };
 
 static struct PyModuleDef module_def = {
@@ -573,6 +683,7 @@ static struct PyModuleDef module_def = {
     .m_doc = "The per-call loops and repeated-call steps of meshlift.speedups, in C.",
     .m_size = 0,
     .m_methods = methods,
+    .m_slots = module_slots,
 };
 
 PyMODINIT_FUNC

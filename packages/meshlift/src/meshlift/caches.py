@@ -1,9 +1,8 @@
 """What a lifted function remembers between calls, none of it keeping a caller's model alive.
 
 `LayoutCache` holds a function's last few entries by argument layout, each
-forgotten when one of its graph nodes is collected; `Repeat` lets a call
-with the very arguments of the last one skip the flatten and the lookup;
-`shared_stages` is the cache of staged functions, keyed by structure only
+forgotten when one of its graph nodes is collected (a call like the last
+one skips it: see `meshlift.speedups.CallPlan`); `shared_stages` is the cache of staged functions, keyed by structure only
 and shared by every lifted wrapper of one function and options, as
 `jax.jit` shares its cache between wrappers.
 
@@ -30,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import operator
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -86,40 +84,3 @@ def _forget(cache_ref: Any, key: Hashable, _: Any) -> None:
     cache = cache_ref()
     if cache is not None:
         cache._items.pop(key, None)
-
-
-class Repeat:
-    """A call whose arguments are all graph nodes or arrays, and its entry: the next call
-    with arguments of the same types, the same nodes and the same mesh has the same key,
-    so it skips the flatten and the lookup. Nodes are held weakly, as the cache holds them.
-    """
-
-    __slots__ = ("entry", "mesh", "positions", "refs", "types")
-
-    def __init__(
-        self,
-        types: tuple[type, ...],
-        positions: tuple[int, ...],
-        refs: tuple,
-        mesh: Any,
-        entry: Any,
-    ):
-        self.types = types
-        self.positions = positions
-        self.refs = refs  # weak references to the nodes at `positions`
-        self.mesh = mesh
-        self.entry = entry
-
-    @classmethod
-    def of(cls, args: tuple, positions: tuple[int, ...], mesh: Any, entry: Any) -> Repeat | None:
-        try:
-            refs = tuple(weakref.ref(args[i]) for i in positions)
-        except TypeError:  # a node that takes no weak reference
-            return None
-        return cls(tuple(map(type, args)), positions, refs, mesh, entry)
-
-    def matches(self, args: tuple) -> bool:
-        nodes = map(args.__getitem__, self.positions)
-        return tuple(map(type, args)) == self.types and all(
-            map(operator.is_, nodes, map(operator.call, self.refs))
-        )

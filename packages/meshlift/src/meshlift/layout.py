@@ -78,17 +78,22 @@ class Call:
 
     `fixed_structure`: made by `nnx.cached_partial`, whose nodes are copies of the
     caller's sharing its Variables, so only new values can reach the caller.
+    `flat_positions`: where the graph nodes are among the arguments, if each argument
+    is a leaf and none is static or a keyword (a call like it may skip the lookup).
     """
 
-    __slots__ = ("fixed_structure", "leaves", "nodes")
+    __slots__ = ("fixed_structure", "flat_positions", "leaves", "nodes")
 
     def __init__(self, leaves: list[Any], nodes: tuple[Any, ...], fixed_structure: bool = False):
         self.leaves, self.nodes, self.fixed_structure = leaves, nodes, fixed_structure
+        self.flat_positions: tuple[int, ...] | None = None
 
     @classmethod
     def of_arguments(cls, args: tuple, positions: tuple[int, ...], fixed: bool = False) -> Call:
         """The call of arguments that are all leaves, graph nodes at `positions`."""
-        return cls(list(args), tuple(map(args.__getitem__, positions)), fixed)
+        call = cls(list(args), tuple(map(args.__getitem__, positions)), fixed)
+        call.flat_positions = positions
+        return call
 
 
 class Layout:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
@@ -39,7 +40,7 @@ from jax.sharding import AbstractMesh, Mesh
 from meshlift import calls, compat, modes, resolve, speedups
 from meshlift.arguments import Signature, static_key
 from meshlift.backend import Backend, StageSpec
-from meshlift.caches import LayoutCache, Repeat, shared_stages
+from meshlift.caches import LayoutCache, shared_stages
 from meshlift.calls import Entry
 from meshlift.graph import is_graph_leaf
 from meshlift.layout import (
@@ -124,7 +125,6 @@ class Lifted(Generic[Params, Result]):
         self.signature = Signature(fun, *argnums)
         self._graph_context = compat.graph_context()
         self._entries = LayoutCache()
-        self._last: Repeat | None = None  # the last call, if the next may skip the lookup
         self._plan: speedups.CallPlan | None = None  # the last call's, if the next may repeat it
         self._passed: dict[Any, tuple[int, ...]] = {}  # treedef -> leaves passed through
         self._staged = shared_stages(fun, self._options_key())
@@ -148,14 +148,14 @@ class Lifted(Generic[Params, Result]):
         if cached:  # called by nnx.cached_partial: take its cache, as flax's transforms do
             self._graph_context.tmp_static_cache = None
         plan = self._plan
-        if plan is not None and not kwargs:
+        if plan is not None and not kwargs and plan.slot is not None:
             inputs = speedups.plan_inputs(plan, args)
             if inputs is not None:
                 return self._run_planned(plan, args, inputs, cached)
         entry, call = self._entry(args, kwargs)
         call.fixed_structure = cached
         result = calls.run(entry, entry.staged, call)
-        self._plan = self._plan_after(entry) if modes.fast_paths else None
+        self._plan = self._plan_after(entry, call) if modes.fast_paths else None
         return result
 
     def _run_planned(
@@ -174,20 +174,63 @@ class Lifted(Generic[Params, Result]):
             return outputs[2]
         call = Call.of_arguments(args, plan.node_positions, cached)
         result = calls.finish(entry, outputs, values(), None, call)
-        self._plan = self._plan_after(entry)
+        self._plan = self._plan_after(entry, call)
         return result
 
-    def _plan_after(self, entry: Entry) -> speedups.CallPlan | None:
-        """The plan for calls like the last one, which ran `entry`: None unless its
-        arguments let the next call skip the lookup (`Repeat`) and it wrote back only
-        Variables' arrays (no graph update, no graph node in its output)."""
-        layout, info = entry.layout, entry.info
-        last, split = self._last, layout.split
-        if last is None or last.entry is not entry or info is None:
+    def _plan_after(self, entry: Entry, call: Call) -> speedups.CallPlan | None:
+        """The plan for calls like `call`, which ran `entry` and succeeded: None if such a
+        call cannot skip the lookup (keywords, statics, nested arguments: `call.flat_positions`
+        is None). The plan runs in C where the call wrote back only Variables' arrays (no
+        graph update, no graph node in its output) on a mesh it can read; else it only
+        skips the lookup."""
+        positions = call.flat_positions
+        if positions is None or entry.info is None:
             return None
+        args = tuple(call.leaves)
+        try:
+            refs = tuple(weakref.ref(args[i]) for i in positions)
+        except TypeError:  # a node that takes no weak reference
+            return None
+        layout = entry.layout
+        runs = self._plan_run(entry)
+        if runs is None:  # it only skips the lookup
+            mesh_source, mesh, slot, array_type, info = None, None, None, None, None
+            kept: tuple = ()
+            donated: tuple = ()
+            targets: tuple = ()
+        else:
+            mesh_source, mesh, slot, variables, targets, array_type = runs
+            kept, donated = (tuple(map(variables.__getitem__, g)) for g in layout.var_groups)
+            info = entry.info
+        kept_dyn, donated_dyn = layout.dyn_groups  # positions of leaves, here of arguments
+        return speedups.CallPlan(
+            mesh_source=mesh_source,
+            mesh=mesh,
+            types=tuple(map(type, args)),
+            node_positions=positions,
+            node_refs=refs,
+            unchanged=layout.split.unchanged,
+            slot=slot,
+            variables=kept,
+            dyn_positions=kept_dyn,
+            donated_variables=donated,
+            donated_dyn_positions=donated_dyn,
+            info=info,
+            changed=entry.info.changed,
+            targets=targets,
+            array_type=array_type,
+            staged=entry.staged,
+            entry=entry,
+        )
+
+    def _plan_run(self, entry: Entry) -> tuple[Any, Any, Any, tuple, tuple, type] | None:
+        """`(mesh_source, mesh, slot, variables, targets, array_type)` with which the C steps
+        run calls like the last one, which ran `entry`; None where they cannot."""
+        layout, info = entry.layout, entry.info
+        assert info is not None
         if info.update is not None or info.outputs.graphdefs or info.container is not None:
             return None
-        access, array_type = split.slot_access(info.changed), compat.array_type()
+        access, array_type = layout.split.slot_access(info.changed), compat.array_type()
         if access is None or array_type is None:
             return None
         mesh_source: Callable[[], Any] | None
@@ -197,33 +240,13 @@ class Lifted(Generic[Params, Result]):
                 mesh = mesh_source()
             except Exception:  # refused inside a trace
                 return None
-        elif isinstance(self.mesh, Mesh | AbstractMesh):
-            mesh_source, mesh = None, last.mesh
         else:
-            mesh_source, mesh = self.mesh, last.mesh
+            mesh_source = None if isinstance(self.mesh, Mesh | AbstractMesh) else self.mesh
+            mesh = layout.mesh
         slot, variables, targets = access
         if not all(type(value) is array_type for value in speedups.read_each(slot, targets)):
             return None  # a typed key, a container changed in place: each call would miss
-        (kept_vars, donated_vars), (kept_dyn, donated_dyn) = layout.var_groups, layout.dyn_groups
-        return speedups.CallPlan(
-            mesh_source,
-            mesh,
-            last.types,
-            last.positions,
-            last.refs,
-            split.unchanged,
-            slot,
-            tuple(map(variables.__getitem__, kept_vars)),
-            kept_dyn,  # positions of leaves, here of arguments
-            tuple(map(variables.__getitem__, donated_vars)),
-            donated_dyn,
-            info,
-            info.changed,
-            targets,
-            array_type,
-            entry.staged,
-            entry,
-        )
+        return mesh_source, mesh, slot, variables, targets, array_type
 
     def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back."""
@@ -284,11 +307,14 @@ class Lifted(Generic[Params, Result]):
         `mesh` overrides the call-site lookup (a compiled object keeps its mesh).
         """
         mesh = self._call_site_mesh() if mesh is None else mesh
-        last = self._last if modes.fast_paths else None
-        if last is not None and not kwargs and last.mesh is mesh and last.matches(args):
-            call = Call.of_arguments(args, last.positions)
-            if last.entry.layout.split.unchanged():
-                return last.entry, call
+        plan = self._plan if modes.fast_paths else None
+        if (
+            plan is not None
+            and not kwargs
+            and plan.entry.layout.mesh is mesh
+            and speedups.plan_matches(plan, args)
+        ):
+            return plan.entry, Call.of_arguments(args, plan.node_positions)
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
         if kwargs and self.specs_on(mesh)[0] is not None:
             self._refuse_keywords(kwargs)
@@ -316,8 +342,8 @@ class Lifted(Generic[Params, Result]):
             self._entries.put(key, entry, call.nodes)
             if entry.layout.passed:
                 self._passed[treedef] = passed = tuple(entry.layout.passed)
-        repeatable = not (kwargs or statics or passed) and treedef is flat_treedef(len(args))
-        self._last = Repeat.of(args, positions, mesh, entry) if repeatable else None
+        if not (kwargs or statics or passed) and treedef is flat_treedef(len(args)):
+            call.flat_positions = positions  # a call like it may skip this lookup
         return entry, call
 
     def _new_entry(

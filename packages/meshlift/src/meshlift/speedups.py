@@ -5,9 +5,9 @@ metadata dict and that no attribute dict changed, and writes results back.
 In Python each step costs 30-80 ns per object, most of it the attribute
 lookup through flax's `Variable.__getattr__` hook; `meshlift._speedups`
 calls the slot's descriptor directly, in one C loop per step. A repeated
-call runs on a `CallPlan`: `plan_inputs` checks the arguments and reads the
-staged function's inputs, `plan_write` writes its outputs back, each in one
-C call. Where the extension was not built (no C compiler at install time),
+call runs on a `CallPlan`, whose fields C reads by name: `plan_inputs`
+checks the arguments and reads the staged function's inputs, `plan_write`
+writes its outputs back, each in one C call (`plan_matches` only checks). Where the extension was not built (no C compiler at install time),
 the pure-Python twins below give the same results. `COMPILED` says which
 is in use.
 
@@ -36,7 +36,7 @@ import operator
 import weakref
 from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any
 
 
 def _read_each(descriptor: Any, objects: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -89,18 +89,54 @@ def _same_items(
     return all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), values))
 
 
-class CallPlan(NamedTuple):
+_PLAN_FIELDS = (
+    "mesh_source",
+    "mesh",
+    "types",
+    "node_positions",
+    "node_refs",
+    "unchanged",
+    "slot",
+    "variables",
+    "dyn_positions",
+    "donated_variables",
+    "donated_dyn_positions",
+    "info",
+    "changed",
+    "targets",
+    "array_type",
+    "staged",
+    "entry",
+)
+_PLAN_TUPLES = (
+    "types",
+    "node_positions",
+    "node_refs",
+    "variables",
+    "dyn_positions",
+    "donated_variables",
+    "donated_dyn_positions",
+    "changed",
+    "targets",
+)
+
+
+class CallPlan:
     """What a repeated call of one lifted function needs, fixed after a call that succeeded.
 
-    A call matches when `mesh_source()` (if not None) returns `mesh`, its
-    arguments have `types`, the graph nodes at `node_positions` are the
-    referents of `node_refs`, and `unchanged()`. Its staged inputs are then the
-    `slot` of each of `variables` and the arguments at `dyn_positions`, kept
-    and donated (the `donated_` fields); no donated input may be another input
-    too. Outputs carrying `info` write the Variable outputs at `changed` into
-    `targets`, when each is an `array_type`. The C functions read the fields
-    by position: keep the order.
+    A call matches when its arguments have `types`, the graph nodes at
+    `node_positions` are the referents of `node_refs`, and `unchanged()`; it
+    then runs `entry` without a lookup. Where `slot` is not None, a matching
+    call whose `mesh_source()` (if not None) returns `mesh` runs in two C steps:
+    its staged inputs are the `slot` of each of `variables` and the arguments
+    at `dyn_positions`, kept and donated (the `donated_` fields), no donated
+    input being another input too; outputs carrying `info` (None: never) write
+    the Variable outputs at `changed` into `targets`, when each is an
+    `array_type`. Made by keyword, read-only; where the extension is built this
+    is its C type, whose functions read the fields by name.
     """
+
+    __slots__ = _PLAN_FIELDS
 
     mesh_source: Callable[[], Any] | None
     mesh: Any
@@ -117,8 +153,26 @@ class CallPlan(NamedTuple):
     changed: tuple[int, ...]
     targets: tuple[Any, ...]
     array_type: type
-    staged: Callable[..., Any]  # read in Python only, from here on
+    staged: Callable[..., Any]
     entry: Any
+
+    def __init__(self, **fields: Any):
+        if set(fields) != set(_PLAN_FIELDS):
+            raise TypeError(
+                f"CallPlan() takes its {len(_PLAN_FIELDS)} fields by keyword, each once"
+            )
+        for name in _PLAN_TUPLES:
+            if type(fields[name]) is not tuple:
+                kind = type(fields[name]).__name__
+                raise TypeError(f"CallPlan(): {name} must be a tuple, not {kind}")
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CallPlan.{name} is read-only")
+
+
+_CallPlan = CallPlan  # the pure-Python twin, by this name also where the C type is in use
 
 
 def donated_alone(inputs: tuple[tuple[Any, ...], ...]) -> bool:
@@ -132,8 +186,22 @@ def donated_alone(inputs: tuple[tuple[Any, ...], ...]) -> bool:
     return len(ids) == len(donated) and ids.isdisjoint(map(id, (*kept_vars, *kept_dyn)))
 
 
+def _plan_matches(plan: CallPlan, args: tuple[Any, ...]) -> bool:
+    """Whether a call with `args` may run `plan.entry`: the same argument types, the same
+    graph nodes, their structure unchanged."""
+    if len(args) != len(plan.types) or not all(map(operator.is_, map(type, args), plan.types)):
+        return False
+    for position, ref in zip(plan.node_positions, plan.node_refs, strict=True):
+        if position >= len(args) or args[position] is not ref():
+            return False
+    return bool(plan.unchanged())
+
+
 def _plan_inputs(plan: CallPlan, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...] | None:
-    """The staged function's four inputs for a call with `args` that matches `plan`, else None."""
+    """The staged function's four inputs for a call with `args` that matches `plan` on the
+    mesh in context, else None (also where `plan.slot` is None: it cannot read them)."""
+    if plan.slot is None:
+        return None
     if plan.mesh_source is not None:
         try:
             mesh = plan.mesh_source()
@@ -141,12 +209,7 @@ def _plan_inputs(plan: CallPlan, args: tuple[Any, ...]) -> tuple[tuple[Any, ...]
             return None
         if mesh is not plan.mesh:
             return None
-    if len(args) != len(plan.types) or not all(map(operator.is_, map(type, args), plan.types)):
-        return None
-    for position, ref in zip(plan.node_positions, plan.node_refs, strict=True):
-        if args[position] is not ref():
-            return None
-    if not plan.unchanged():
+    if not _plan_matches(plan, args):
         return None
     inputs = (
         read_each(plan.slot, plan.variables),
@@ -161,8 +224,9 @@ def _plan_inputs(plan: CallPlan, args: tuple[Any, ...]) -> tuple[tuple[Any, ...]
 
 def _plan_write(plan: CallPlan, outputs: Any) -> bool:
     """Write the staged `outputs` back as `plan` says; False, writing nothing, if they do
-    not carry its trace info or a value is not an `array_type` (a tracer, say)."""
-    if type(outputs) is not tuple or len(outputs) != 4:
+    not carry its trace info (None: the plan writes nothing) or a value is not an
+    `array_type` (a tracer, say)."""
+    if plan.info is None or type(outputs) is not tuple or len(outputs) != 4:
         return False
     var_out, _, _, aux = outputs
     if getattr(aux, "info", None) is not plan.info or type(var_out) is not tuple:
@@ -178,8 +242,10 @@ def _plan_write(plan: CallPlan, outputs: Any) -> bool:
 
 
 try:
+    from meshlift._speedups import CallPlan as _CompiledCallPlan
     from meshlift._speedups import (
         plan_inputs,
+        plan_matches,
         plan_write,
         read_each,
         read_each_is,
@@ -189,17 +255,17 @@ try:
     )
 except ImportError:  # built without a C compiler: the twins above
     COMPILED = False
-    read_each, read_each_is, write_each, same_dicts, same_items, plan_inputs, plan_write = (
+    read_each, read_each_is, write_each, same_dicts, same_items = (
         _read_each,
         _read_each_is,
         _write_each,
         _same_dicts,
         _same_items,
-        _plan_inputs,
-        _plan_write,
     )
+    plan_matches, plan_inputs, plan_write = _plan_matches, _plan_inputs, _plan_write
 else:
     COMPILED = True
+    CallPlan = _CompiledCallPlan  # type: ignore[misc]  # the same fields, read by name in C
 
 # The loops with a Python twin `_<name>` above (the C ones when compiled).
 LOOPS = (
@@ -208,6 +274,7 @@ LOOPS = (
     "write_each",
     "same_dicts",
     "same_items",
+    "plan_matches",
     "plan_inputs",
     "plan_write",
 )
