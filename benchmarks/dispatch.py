@@ -504,10 +504,12 @@ def summarize(all_runs: dict[int, dict[str, Run]]) -> dict[str, Any]:
         }
         for name, run in runs.items():
             median, floor_us = medians[name], medians.get(BASELINE.get(name, FLOOR))
+            floor_run = runs.get(BASELINE.get(name, FLOOR))
             results.setdefault(name, {})[str(layers)] = {
                 "median_us": median,
                 "floor": BASELINE.get(name, FLOOR),
                 "ratio_to_floor": (median / floor_us if median is not None and floor_us else None),
+                "paired_ratio_to_floor": paired_ratio(run, floor_run),
                 "min_us": min(run.samples_us) if run.samples_us else None,
                 "samples_us": run.samples_us,
                 "calls_per_sample": run.k,
@@ -516,6 +518,18 @@ def summarize(all_runs: dict[int, dict[str, Run]]) -> dict[str, Any]:
                 "error": run.error,
             }
     return results
+
+
+def paired_ratio(run: Run, floor: Run | None) -> float | None:
+    """The median over rounds of the run's time over its floor's in the same round.
+
+    Rounds interleave the variants, so the pair saw the same machine: a slow
+    stretch (another tenant, a frequency change) slows both and cancels out,
+    where the ratio of the two medians can take it in on one side only.
+    """
+    if floor is None or not run.samples_us or len(run.samples_us) != len(floor.samples_us):
+        return None  # a variant that failed part way: its rounds no longer pair up
+    return statistics.median(a / b for a, b in zip(run.samples_us, floor.samples_us, strict=True))
 
 
 def print_table(console: Console, meta: dict[str, Any], results, checks) -> None:
@@ -551,6 +565,16 @@ def print_table(console: Console, meta: dict[str, Any], results, checks) -> None
     console.print(table)
     for name, floor in BASELINE.items():
         console.print(f"{name}: vs {floor}; every other variant: vs {FLOOR}")
+    paired = Table(title="vs floor, paired by round (median of time / floor's)")
+    paired.add_column("variant")
+    for layers in meta["layers"]:
+        paired.add_column(f"L={layers}", justify="right")
+    for name in VARIANTS:
+        cells = [results.get(name, {}).get(str(layers), {}) for layers in meta["layers"]]
+        ratios = [cell.get("paired_ratio_to_floor") for cell in cells]
+        if name in results and any(r is not None for r in ratios):
+            paired.add_row(name, *(f"{r:.2f}×" if r is not None else "" for r in ratios))
+    console.print(paired)
 
     for name in results:
         for layers, cell in results[name].items():
