@@ -2,9 +2,10 @@
 
 `LayoutCache` holds a function's last few entries by argument layout, each
 forgotten when one of its graph nodes is collected (a call like the last
-one skips it: see `meshlift.speedups.CallPlan`); `shared_stages` is the cache of staged functions, keyed by structure only
-and shared by every lifted wrapper of one function and options, as
-`jax.jit` shares its cache between wrappers.
+one skips it: see `meshlift.speedups.CallPlan`). `shared_stages` is the
+cache of staged functions, keyed by structure only and shared by every
+lifted wrapper of one function and options, as `jax.jit` shares its cache
+between wrappers.
 
 Example:
 
