@@ -361,7 +361,8 @@ class Watcher:
     holds: its cost no longer grows with the number of attributes. Elsewhere
     every item is compared by identity, in C (`speedups.same_items`), metadata
     dicts too; a Variable's metadata is compared by value only when one of
-    those differs, so equal metadata set anew is no change.
+    those differs, so equal metadata set anew is no change. Which of the two
+    `unchanged` is, is chosen once, when the watcher is made.
     """
 
     def __init__(self, nodes: Any):
@@ -396,6 +397,10 @@ class Watcher:
             self._unwatched = _Snapshot(unwatched, *containers)
         self._metadata_dicts: tuple[Any, ...] = ()
         self.snapshot()
+        # The check, chosen once: told by the dicts themselves, or by comparing everything.
+        self.unchanged: Callable[[], bool] = (
+            self._unchanged_by_watchers if self._by_watchers else self._unchanged_by_comparing
+        )
 
     def snapshot(self) -> None:
         """Take the current state as the unchanged one (after meshlift itself wrote to it)."""
@@ -405,22 +410,27 @@ class Watcher:
         self._everything.take()
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
 
-    def unchanged(self) -> bool:
-        # obj.__dict__ = {...} swaps in another dict; the snapshot and watchers hold the old
-        if not speedups.same_dicts(self._holder_tuple, self._held_tuple):
+    def _same_holders(self) -> bool:
+        """Whether every object holds the attribute dict and has the class it had:
+        `obj.__dict__ = {...}` swaps in a dict the snapshot and watchers do not hold, and
+        `obj.__class__ = ...` changes a Variable's type or a configuration's class."""
+        return speedups.same_dicts(self._holder_tuple, self._held_tuple) and (
+            speedups.read_each_is(_CLASS, self._typed_tuple, self._types)
+        )
+
+    def _unchanged_by_comparing(self) -> bool:
+        if not self._same_holders() or not self._everything.same():
             return False
-        if not speedups.read_each_is(_CLASS, self._typed_tuple, self._types):
-            return False  # obj.__class__ = ...: a Variable's type, a configuration's class
-        if self._by_watchers:
-            return self._unchanged_by_watchers()
-        if self._everything.same() and self._same_metadata_items():
+        if self._same_metadata_items():
             return True  # the same objects everywhere
-        if self._everything.same() and self._metadata_same():  # equal metadata, new objects
+        if self._metadata_same():  # equal metadata, new objects
             self._arm()
             return True
         return False
 
     def _unchanged_by_watchers(self) -> bool:
+        if not self._same_holders():
+            return False
         if (
             self._seen == dict_watch.changes()
             and self._metadata_watched
