@@ -125,3 +125,14 @@ def test_logical_annotations_explained_with_rules_or_flagged_without():
 def test_explain_needs_a_mesh():
     with pytest.raises(TypeError, match="explain needs a mesh"):
         ml.explain({"a": jnp.ones(2)})
+
+
+def test_a_parameter_no_filter_matches_is_the_error_a_call_raises():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model")})  # no `...`
+    report = ml.explain(layer, plan, mesh)
+    with pytest.raises(ml.PlanError) as call:
+        ml.jit(lambda m: m.kernel[...].sum(), in_shardings=(plan,), mesh=mesh)(layer)
+    assert report.problems == [("bias", str(call.value))]  # the same lookup, the same words
+    assert "no filter of the plan matches `bias` (Param, shape (8,))" in str(call.value)

@@ -302,16 +302,13 @@ def _spec_from_plan(
     mesh_shape: dict[str, int],
     problems: list[str],
 ) -> PartitionSpec | None:
-    for index, (_, predicate, rule_spec) in enumerate(plan.rules):
-        if predicate(item.path, item.holder):
-            matched.add(index)
-            spec = rule_spec
-            break
-    else:
-        problems.append(
-            "no filter of the plan matches it; add a rule, or end the plan with `...: P()`"
-        )
+    try:  # the rule a call would take, or the error it would raise
+        index = plan.rule_for(item.path, item.holder)
+    except PlanError as error:
+        problems.append(str(error))
         return PartitionSpec()
+    matched.add(index)
+    spec = plan.rules[index][2]
     if isinstance(spec, NamedSharding):
         if dict(spec.mesh.shape) != mesh_shape:
             problems.append(
