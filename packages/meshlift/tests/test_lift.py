@@ -6,6 +6,7 @@ import dataclasses
 import re
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +65,32 @@ def test_backend_object_sees_only_leaf_level_shardings():
     assert spec.mesh is mesh
     lifted(pair, jnp.ones(8))
     assert len(recorder.specs) == 1  # staged once per structure
+
+
+def test_a_backend_reads_its_specs_mesh_and_options_through_its_readers():
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    recorder = RecordingBackend()
+
+    def read_specs(in_specs, out_specs, options):  # its own spelling, `rows=`
+        return ml.Specs(options.get("rows", in_specs), out_specs, names=("rows", "out"))
+
+    backend = attrs.evolve(
+        recorder.backend,
+        read_specs=read_specs,
+        read_mesh=lambda given: (lambda: mesh) if given is None else given,
+        read_options=lambda options: {k: v for k, v in options.items() if k != "rows"},
+    )
+    lifted = ml.transform(backend, lambda x: x * 2, rows=(P("data"),), keep_unused=True)
+    assert lifted.names.in_specs == "rows" and lifted.options == {"keep_unused": True}
+    assert float(lifted(jnp.ones(8)).sum()) == 16.0
+    [spec] = recorder.specs
+    assert spec.in_specs[1] == (NamedSharding(mesh, P("data")),)  # on the mesh read at the call
+    assert spec.mesh is mesh and spec.options == {"keep_unused": True}
+    with pytest.raises(ml.PlanError, match="rows has 2 entries but <lambda> was called with 1"):
+        ml.transform(backend, lambda x: x, rows=(P("data"), P()))(jnp.ones(8))
+    wrong = attrs.evolve(backend, read_specs=lambda i, o, options: (i, o))
+    with pytest.raises(TypeError, match="backend 'recording' read its specs as tuple"):
+        ml.transform(wrong, lambda x: x)
 
 
 def test_unchanged_variables_are_not_returned():

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 # one entry in __all__ (tests/test_cli_imports.py checks that the three agree).
 _LAZY: dict[str, str] = {
     "Backend": "meshlift.backend",
+    "Specs": "meshlift.backend",
     "StageSpec": "meshlift.backend",
     "Explanation": "meshlift.explain",
     "explain": "meshlift.explain",
@@ -70,7 +71,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     __version__: str
 
     from meshlift import plugins
-    from meshlift.backend import Backend, StageSpec
+    from meshlift.backend import Backend, Specs, StageSpec
     from meshlift.explain import Explanation, explain
     from meshlift.hookspecs import hookimpl
     from meshlift.lift import Lifted, transform
@@ -209,6 +210,7 @@ __all__ = [
     "Lifted",
     "Lowered",
     "PlanError",
+    "Specs",
     "StageSpec",
     "StateSharding",
     "StructureChangedError",

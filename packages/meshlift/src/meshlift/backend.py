@@ -52,6 +52,51 @@ class StageSpec:
     options: Mapping[str, Any] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class Specs:
+    """A lifted function's specs, as its backend reads what the front end was given.
+
+    `in_specs`/`out_specs` are used on a mesh. `meshless`, if given, is
+    `(in_specs, out_specs)` for a call with no mesh in context, where a front
+    end reads its specs differently (old `pjit`'s `None`: replicated on a
+    mesh, else the compiler's choice). `names` are the front end's words for
+    the two, used in errors.
+
+    Example:
+
+    ```python
+    specs = ml.Specs(P("data"), None, names=("in_shardings", "out_shardings"))
+    assert specs.on(mesh=None) == (P("data"), None)
+    ```
+    """
+
+    in_specs: Any = None
+    out_specs: Any = None
+    names: tuple[str, str] = ("in_specs", "out_specs")
+    meshless: tuple[Any, Any] | None = None
+
+    def on(self, mesh: Any) -> tuple[Any, Any]:
+        """`(in_specs, out_specs)` for a call on `mesh` (None: no mesh in context)."""
+        if mesh is None and self.meshless is not None:
+            return self.meshless
+        return self.in_specs, self.out_specs
+
+
+def given_specs(in_specs: Any, out_specs: Any, options: Mapping[str, Any]) -> Specs:
+    """The default `Backend.read_specs`: the specs as given, named `in_specs`/`out_specs`."""
+    return Specs(in_specs, out_specs)
+
+
+def given_mesh(mesh: Any) -> Any:
+    """The default `Backend.read_mesh`: the mesh as given."""
+    return mesh
+
+
+def given_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The default `Backend.read_options`: every option goes to `stage` unchanged."""
+    return dict(options)
+
+
 @attrs.frozen(kw_only=True)
 class Backend:
     """A transform backend, registered by a plugin or passed as an object.
@@ -59,26 +104,35 @@ class Backend:
     `stage(fn, spec)` returns the JAX-level staged callable for the pure
     function `fn`. `frontend`, if given, is the user-facing wrapper with
     the transform's own argument names (`ml.jit` for the jit backend).
-    `unify`, if given, rewrites the keyword arguments `ml.transform` was
-    called with (`mesh`, `in_specs`, `out_specs`, `options`...) into
-    those `ml.Lifted` takes: where a backend reads old argument names, gives
-    `None` another meaning, or looks the mesh up its own way.
+
+    Three readers turn what `ml.transform` was given into what the core
+    uses, once per lifted function; each defaults to "as given":
+
+    - `read_specs(in_specs, out_specs, options) -> Specs`: the specs, their
+      names in errors, and another reading with no mesh; a front end's own
+      spec arguments (old names) arrive among `options`.
+    - `read_mesh(mesh)`: the mesh, or a function the core calls at each call
+      to find it (a call-site context).
+    - `read_options(options) -> dict`: the options `stage` receives, as
+      `StageSpec.options` (old option names converted, spec arguments
+      taken out).
+
     `capabilities` are free-form strings the integration suite reads to
-    decide which cases a backend declares it cannot run. `spec_names` are
-    the front end's names for `in_specs`/`out_specs`, used in errors.
-    With `passes_through_none`, an argument leaf that is not an array and
-    whose spec is `None` reaches the function unchanged (a Python `int`
-    stays an `int`), compiled per value like a static argument, as
-    `jax.shard_map` passes it.
+    decide which cases a backend declares it cannot run. With
+    `passes_through_none`, an argument leaf that is not an array and whose
+    spec is `None` reaches the function unchanged (a Python `int` stays an
+    `int`), compiled per value like a static argument, as `jax.shard_map`
+    passes it.
     """
 
     name: str
     stage: Callable[[Callable[..., Any], StageSpec], Any]
     frontend: Callable[..., Any] | None = None
-    unify: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    read_specs: Callable[[Any, Any, Mapping[str, Any]], Specs] = given_specs
+    read_mesh: Callable[[Any], Any] = given_mesh
+    read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = given_options
     version: str = "0"
     distribution: str | None = None
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     description: str = ""
-    spec_names: tuple[str, str] = ("in_specs", "out_specs")
     passes_through_none: bool = False

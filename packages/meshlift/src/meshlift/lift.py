@@ -34,12 +34,13 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
+import attrs
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from meshlift import calls, compat, modes, resolve, speedups
 from meshlift.arguments import Signature, static_key
-from meshlift.backend import Backend, StageSpec
+from meshlift.backend import Backend, Specs, StageSpec
 from meshlift.caches import LayoutCache, shared_stages
 from meshlift.calls import Entry
 from meshlift.graph import is_graph_leaf
@@ -73,12 +74,10 @@ class Lifted(Generic[Params, Result]):
     updated Variables back; `trace`, `lower` and `eval_shape` give JAX's
     stages, wrapped so that compiled objects are called with modules too.
 
-    `mesh` is a mesh, a function returning one at each call (how a backend
-    reads a call-site context), or None for the mesh of `ml.use_mesh`.
-    `spec_names` are the front end's names for the specs, used in errors.
-    `meshless_specs`, if given, are `(in_specs, out_specs)` for a call with
-    no mesh in context, where a front end reads its specs differently then
-    (old `pjit`'s `None`: replicated on the mesh, else the compiler's choice).
+    `mesh` is a mesh, a function returning one at each call, or None for
+    the mesh of `ml.use_mesh`. The backend's readers (`Backend.read_specs`,
+    `read_mesh`, `read_options`) say what the specs, the mesh and the
+    options mean for it.
     """
 
     def __init__(
@@ -94,8 +93,6 @@ class Lifted(Generic[Params, Result]):
         donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         options: Mapping[str, Any] | None = None,
-        spec_names: tuple[str, str] = ("in_specs", "out_specs"),
-        meshless_specs: tuple[Any, Any] | None = None,
     ):
         if not callable(fun):
             raise TypeError(f"expected a function to lift, got {type(fun).__name__}: {fun!r}")
@@ -107,20 +104,19 @@ class Lifted(Generic[Params, Result]):
             )
         functools.update_wrapper(self, fun)
         self.backend = get_backend(backend)
-        self.in_specs = _checked_specs(in_specs, spec_names[0])
-        self.out_specs = _checked_specs(out_specs, spec_names[1])
-        self.meshless_specs = meshless_specs
-        self.mesh = mesh
-        self.options = dict(options or {})
+        options = dict(options or {})
+        self.specs = _checked_specs(self.backend, in_specs, out_specs, options)
+        self.mesh = self.backend.read_mesh(mesh)
+        self.options = self.backend.read_options(options)
         argnums = (static_argnums, static_argnames, donate_argnums, donate_argnames)
         self._receiver = _graph_receiver(fun)
         if self._receiver is not None:  # `m.method`: m becomes the first argument of each call
             Signature(fun, *argnums)  # jax.jit's checks, against the signature the caller sees
             fun, argnums = fun.__func__, _after_receiver(*argnums)  # type: ignore[attr-defined]
-            self.in_specs, self.meshless_specs = _with_receiver_spec(in_specs, meshless_specs)
+            self.specs = _with_receiver_spec(self.specs)
         self.fun = fun
         self.names = Names(
-            getattr(fun, "__name__", "the lifted function"), *spec_names, self.backend.name
+            getattr(fun, "__name__", "the lifted function"), *self.specs.names, self.backend.name
         )
         self.signature = Signature(fun, *argnums)
         self._graph_context = compat.graph_context()
@@ -273,12 +269,6 @@ class Lifted(Generic[Params, Result]):
         """The arguments with the receiver of a lifted bound method first."""
         return args if self._receiver is None else (self._receiver, *args)
 
-    def specs_on(self, mesh: Any) -> tuple[Any, Any]:
-        """`(in_specs, out_specs)` for a call on `mesh` (None: no mesh in context)."""
-        if mesh is None and self.meshless_specs is not None:
-            return self.meshless_specs
-        return self.in_specs, self.out_specs
-
     def _options_key(self) -> Hashable | None:
         """Everything besides the arguments that the staged functions depend on; None if
         some option is unhashable (then this function keeps its staged functions to itself)."""
@@ -286,9 +276,9 @@ class Lifted(Generic[Params, Result]):
         key = (
             self.backend,
             self.names,
-            _spec_key(self.in_specs),
-            _spec_key(self.out_specs),
-            _spec_key(self.meshless_specs),
+            _spec_key(self.specs.in_specs),
+            _spec_key(self.specs.out_specs),
+            _spec_key(self.specs.meshless),
             sig.static_argnums,
             sig.static_argnames,
             sig.donate_argnums,
@@ -316,7 +306,7 @@ class Lifted(Generic[Params, Result]):
         ):
             return plan.entry, Call.of_arguments(args, plan.node_positions)
         args, kwargs, statics = self.signature.pop_statics(args, kwargs)
-        if kwargs and self.specs_on(mesh)[0] is not None:
+        if kwargs and self.specs.on(mesh)[0] is not None:
             self._refuse_keywords(kwargs)
         leaves, treedef = flatten_arguments(args, kwargs)
         leaf_types = tuple(map(type, leaves))
@@ -366,7 +356,7 @@ class Lifted(Generic[Params, Result]):
             self.fun,
             signature=self.signature,
             names=self.names,
-            specs=self.specs_on(mesh),
+            specs=self.specs.on(mesh),
             passes_through_none=self.backend.passes_through_none,
         )
         staged = self._staged.get(layout.key)
@@ -506,7 +496,10 @@ def transform(
     loss = step(model, optimizer, jnp.ones((8, 16)))
     ```
     """
-    kwargs = dict(
+    backend = get_backend(backend)
+    lift = functools.partial(
+        Lifted,
+        backend=backend,
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -516,13 +509,7 @@ def transform(
         donate_argnames=donate_argnames,
         options=options,
     )
-    backend = get_backend(backend)
-    if backend.unify is not None:
-        kwargs = backend.unify(kwargs)
-    kwargs.setdefault("spec_names", backend.spec_names)
-    if fun is None:
-        return lambda f: Lifted(f, backend, **kwargs)
-    return Lifted(fun, backend, **kwargs)
+    return lift if fun is None else lift(fun)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -556,24 +543,32 @@ def _after_receiver(
     return shifted(static_argnums), static_argnames, shifted(donate_argnums), donate_argnames
 
 
-def _with_receiver_spec(in_specs: Any, meshless_specs: Any) -> tuple[Any, Any]:
+def _with_receiver_spec(specs: Specs) -> Specs:
     """Specs of a bound method's arguments, with `None` (unspecified) for the receiver
     where they are given per argument."""
 
     def prepended(specs: Any) -> Any:
         return (None, *specs) if isinstance(specs, tuple | list) else specs
 
-    if meshless_specs is not None:
-        meshless_specs = (prepended(meshless_specs[0]), meshless_specs[1])
-    return prepended(in_specs), meshless_specs
+    meshless = specs.meshless
+    if meshless is not None:
+        meshless = (prepended(meshless[0]), meshless[1])
+    return attrs.evolve(specs, in_specs=prepended(specs.in_specs), meshless=meshless)
 
 
-def _checked_specs(specs: Any, what: str) -> Any:
-    """Refuse a graph node given where specs go, when the function is lifted."""
-    node = next((s for s in resolve.spec_leaves(specs) if is_graph_leaf(s)), None)
-    if node is not None:
-        raise PlanError(
-            f"{what} contains a {type(node).__name__}, a graph node, where specs go; give a "
-            f"StateSharding (or an nnx.State / nested dict of PartitionSpecs) instead"
+def _checked_specs(backend: Backend, in_specs: Any, out_specs: Any, options: dict) -> Specs:
+    """The specs as `backend` reads them; a graph node where specs go is refused."""
+    specs = backend.read_specs(in_specs, out_specs, options)
+    if not isinstance(specs, Specs):
+        raise TypeError(
+            f"backend {backend.name!r} read its specs as {type(specs).__name__}: {specs!r}; "
+            f"Backend.read_specs must return a meshlift.Specs"
         )
+    for what, tree in zip(specs.names, (specs.in_specs, specs.out_specs), strict=True):
+        node = next((s for s in resolve.spec_leaves(tree) if is_graph_leaf(s)), None)
+        if node is not None:
+            raise PlanError(
+                f"{what} contains a {type(node).__name__}, a graph node, where specs go; give "
+                f"a StateSharding (or an nnx.State / nested dict of PartitionSpecs) instead"
+            )
     return specs

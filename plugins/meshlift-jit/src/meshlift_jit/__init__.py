@@ -17,7 +17,7 @@ def train_step(model, batch):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -156,6 +156,11 @@ def jit(
     )
 
 
+def read_specs(in_shardings: Any, out_shardings: Any, options: Mapping[str, Any]) -> ml.Specs:
+    """The specs as given, named as `jax.jit` names them in errors."""
+    return ml.Specs(in_shardings, out_shardings, names=("in_shardings", "out_shardings"))
+
+
 BACKEND = ml.Backend(
     name="jit",
     stage=stage,
@@ -164,7 +169,7 @@ BACKEND = ml.Backend(
     distribution="meshlift-jit",
     capabilities={"auto-partitioning", "global-rng", "stages", "donation", "multi-process"},
     description="jax.jit with shardings from the plan; the compiler inserts collectives",
-    spec_names=("in_shardings", "out_shardings"),
+    read_specs=read_specs,
 )
 
 

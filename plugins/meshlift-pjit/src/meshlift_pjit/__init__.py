@@ -20,7 +20,7 @@ with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ParamSpec, TypeVar
 
@@ -37,9 +37,19 @@ try:
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
 
-__all__ = ["BACKEND", "UNSPECIFIED", "call_site_mesh", "pjit", "stage", "unify"]
+__all__ = [
+    "BACKEND",
+    "UNSPECIFIED",
+    "call_site_mesh",
+    "pjit",
+    "read_mesh",
+    "read_options",
+    "read_specs",
+    "stage",
+]
 
-_OLD_NAMES = (("in_axis_resources", "in_specs"), ("out_axis_resources", "out_specs"))
+_IN_NAMES = ("in_axis_resources", "in_shardings")
+_OUT_NAMES = ("out_axis_resources", "out_shardings")
 
 Params = ParamSpec("Params")
 Result = TypeVar("Result")
@@ -88,32 +98,46 @@ class OnMesh:
             return run(*args)
 
 
-def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`ml.transform("pjit", ...)`'s arguments read the way `ml.pjit` reads them.
+def read_specs(in_specs: Any, out_specs: Any, options: Mapping[str, Any]) -> ml.Specs:
+    """The specs as old `pjit` reads them, under any of their names.
 
-    `in_axis_resources`/`out_axis_resources` are accepted for `in_specs`/
-    `out_specs`, `None` inside a spec tree means replicated on the mesh
-    (the compiler's choice with no mesh), and without `mesh=` the mesh is
-    looked up at each call.
+    `in_axis_resources`/`out_axis_resources` (or the later `in_shardings`/
+    `out_shardings`, among the options) stand for `in_specs`/`out_specs`;
+    `None` inside a spec tree means replicated on the mesh (the compiler's
+    choice with no mesh). `in_specs=None` from `ml.transform` is "not given".
     """
-    options = dict(kwargs["options"])
-    unified = dict(kwargs)
-    names, meshless = [], []
-    for old, new in _OLD_NAMES:
-        given_new = UNSPECIFIED if kwargs[new] is None else kwargs[new]
-        name, specs = pick(old, options.pop(old, UNSPECIFIED), new, given_new)
-        arguments = new == "in_specs"
-        unified[new] = legacy_specs(specs, arguments=arguments)
-        names.append(name)
-        meshless.append(meshless_specs(specs, arguments=arguments))
-    if kwargs["mesh"] is None:
-        unified["mesh"] = call_site_mesh
-    return {
-        **unified,
-        "options": options,
-        "spec_names": tuple(names),
-        "meshless_specs": tuple(meshless),
-    }
+    read = [
+        pick(
+            {**{n: options.get(n, UNSPECIFIED) for n in old_names}, unified: _given(specs)},
+            default=old_names[0],
+        )
+        for specs, unified, old_names in (
+            (in_specs, "in_specs", _IN_NAMES),
+            (out_specs, "out_specs", _OUT_NAMES),
+        )
+    ]
+    (in_name, in_given), (out_name, out_given) = read
+    return ml.Specs(
+        legacy_specs(in_given, arguments=True),
+        legacy_specs(out_given),
+        names=(in_name, out_name),
+        meshless=(meshless_specs(in_given, arguments=True), meshless_specs(out_given)),
+    )
+
+
+def _given(specs: Any) -> Any:
+    """`ml.transform`'s `None`: no specs given."""
+    return UNSPECIFIED if specs is None else specs
+
+
+def read_mesh(mesh: Any) -> Any:
+    """The given mesh, or else the one in context at each call (`call_site_mesh`)."""
+    return call_site_mesh if mesh is None else mesh
+
+
+def read_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`jax.jit`'s options: every one but the spec arguments `read_specs` took."""
+    return {k: v for k, v in options.items() if k not in _IN_NAMES + _OUT_NAMES}
 
 
 def pjit(
@@ -155,24 +179,18 @@ def pjit(
         params, loss = step(params, batch)
     ```
     """
-    in_name, in_specs = pick("in_axis_resources", in_axis_resources, "in_shardings", in_shardings)
-    out_name, out_specs = pick(
-        "out_axis_resources", out_axis_resources, "out_shardings", out_shardings
-    )
-    options = {"keep_unused": True} if keep_unused else {}
-    return ml.Lifted(
+    return ml.transform(
+        BACKEND,
         fun,
-        backend=BACKEND,
-        mesh=call_site_mesh,
-        in_specs=legacy_specs(in_specs, arguments=True),
-        out_specs=legacy_specs(out_specs),
-        meshless_specs=(meshless_specs(in_specs, arguments=True), meshless_specs(out_specs)),
+        in_axis_resources=in_axis_resources,
+        out_axis_resources=out_axis_resources,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
         static_argnums=static_argnums,
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
-        options=options,
-        spec_names=(in_name, out_name),
+        keep_unused=keep_unused,
     )
 
 
@@ -180,7 +198,9 @@ BACKEND = ml.Backend(
     name="pjit",
     stage=stage,
     frontend=pjit,
-    unify=unify,
+    read_specs=read_specs,
+    read_mesh=read_mesh,
+    read_options=read_options,
     version=__version__,
     distribution="meshlift-pjit",
     capabilities={"auto-partitioning", "global-rng", "stages", "donation", "call-site-mesh"},

@@ -17,6 +17,7 @@ assert meshless_specs([None, P("data")], arguments=True) == (None, P("data"))
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -63,11 +64,14 @@ def meshless_specs(tree: Any, *, arguments: bool = False) -> Any:
     return tuple(tree) if arguments and isinstance(tree, list) else tree
 
 
-def pick(old_name: str, old: Any, new_name: str, new: Any) -> tuple[str, Any]:
-    """`(name, value)` of whichever of the two names was given; both is a ValueError."""
-    if old is not UNSPECIFIED and new is not UNSPECIFIED:
+def pick(given: Mapping[str, Any], *, default: str) -> tuple[str, Any]:
+    """`(name, value)` of the one name in `given` (oldest first) whose value is not
+    UNSPECIFIED, `(default, UNSPECIFIED)` if none is; two given is a ValueError."""
+    named = [(name, value) for name, value in given.items() if value is not UNSPECIFIED]
+    if len(named) > 1:
+        (first, _), (second, _) = named[:2]
         raise ValueError(
-            f"pjit got both {old_name}= and {new_name}=; {old_name} is the old name of "
-            f"{new_name}, so pass the specs once, under either name"
+            f"pjit got both {first}= and {second}=; {first} is the old name of {second}, "
+            f"so pass the specs once, under either name"
         )
-    return (new_name, new) if new is not UNSPECIFIED else (old_name, old)
+    return named[0] if named else (default, UNSPECIFIED)

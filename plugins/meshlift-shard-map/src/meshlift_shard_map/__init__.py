@@ -158,8 +158,9 @@ def shard_map(
     )
 
 
-def _call_site_mesh(mesh: Mesh | AbstractMesh | None) -> Any:
-    """What the core calls for the mesh: an AbstractMesh becomes the matching context mesh."""
+def read_mesh(mesh: Mesh | AbstractMesh | None) -> Any:
+    """The mesh as `ml.shard_map` reads it: an AbstractMesh is matched, at each call,
+    against the `ml.use_mesh` mesh of its shape."""
     if mesh is None or isinstance(mesh, Mesh):
         return mesh
     if not isinstance(mesh, AbstractMesh):
@@ -182,21 +183,12 @@ def _call_site_mesh(mesh: Mesh | AbstractMesh | None) -> Any:
     return resolve
 
 
-def unify(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`ml.transform("shard_map", ...)`'s arguments read as `ml.shard_map` reads them:
-    an AbstractMesh is matched at the call site, and old option names are converted."""
-    return {
-        **kwargs,
-        "mesh": _call_site_mesh(kwargs["mesh"]),
-        "options": normalize(dict(kwargs["options"])),
-    }
-
-
 BACKEND = ml.Backend(
     name="shard_map",
     stage=stage,
     frontend=shard_map,
-    unify=unify,
+    read_mesh=read_mesh,
+    read_options=normalize,
     version=__version__,
     distribution="meshlift-shard-map",
     capabilities={"manual-collectives", "stages", "donation", "partial-manual"},
