@@ -102,10 +102,19 @@ def first_party(install, monkeypatch, name, source=FIRST_PARTY):
     The fake distribution hides the real one, and the name is taken off the
     disabled list the ``install`` fixture starts with.
     """
-    dist = plugins.FIRST_PARTY_BACKENDS[name]
+    dist = plugins.first_party_backends()[name]
     install(dist, "0.1.0", {} if source is None else {name: source.format(name=name, dist=dist)})
     disabled = os.environ[plugins.DISABLE_ENV].split(",")
     monkeypatch.setenv(plugins.DISABLE_ENV, ",".join(n for n in disabled if n != name))
+
+
+def test_front_end_names_belong_to_the_distributions_the_core_extras_install():
+    assert plugins.first_party_backends() == {
+        "jit": "meshlift-jit",
+        "shard_map": "meshlift-shard-map",
+        "pjit": "meshlift-pjit",
+    }
+    assert tuple(plugins.first_party_backends()) == plugins.FRONT_ENDS
 
 
 def test_good_plugin_registers_with_its_distribution(install):
@@ -492,7 +501,7 @@ def test_clash_between_third_parties_names_both_and_others_still_load(install):
 
 
 def test_front_ends_reach_their_own_distributions_backend(install, monkeypatch):
-    for name in plugins.FIRST_PARTY_BACKENDS:
+    for name in plugins.FRONT_ENDS:
         first_party(install, monkeypatch, name)
     f = lambda x: x  # noqa: E731
 
@@ -511,7 +520,7 @@ def test_front_ends_reach_their_own_distributions_backend(install, monkeypatch):
 def test_front_end_without_its_distribution_says_what_to_install(install, monkeypatch, name):
     first_party(install, monkeypatch, name, source=None)
     install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
-    dist = plugins.FIRST_PARTY_BACKENDS[name]
+    dist = plugins.first_party_backends()[name]
 
     with pytest.raises(plugins.BackendNotFoundError) as info:
         getattr(ml, name)(lambda x: x)

@@ -7,9 +7,10 @@ with its error and the others still load. "Broken" includes a plugin that
 raises `SystemExit` (or any other `BaseException` but
 `KeyboardInterrupt`) at import or in its hook.
 
-The names `jit`, `shard_map` and `pjit` belong to the first-party
-distributions `meshlift-jit`, `meshlift-shard-map` and `meshlift-pjit`
-(`FIRST_PARTY_BACKENDS`): `ml.jit` and friends always run their own
+The names of the core's front ends (`FRONT_ENDS`: `ml.jit`, `ml.shard_map`,
+`ml.pjit`) belong to the distributions the core's extras of the same names
+install (`pip install 'meshlift[jit]'`; `first_party_backends()` reads them
+from the core's metadata): `ml.jit` and friends always run their own
 distribution's backend. Another plugin that registers one of these names is
 recorded as a load error, whatever the load order, and its other backends are
 not added. Two other plugins that register the same name: the second is
@@ -39,9 +40,11 @@ backend = ml.get_backend("jit")
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from importlib import metadata
 from importlib.metadata import Distribution, entry_points
 from types import MappingProxyType
 from typing import Any
@@ -55,7 +58,7 @@ from meshlift.backend import Backend
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
-    "FIRST_PARTY_BACKENDS",
+    "FRONT_ENDS",
     "STRICT_ENV",
     "BackendInfo",
     "BackendNotFoundError",
@@ -63,6 +66,7 @@ __all__ = [
     "LoadError",
     "PluginError",
     "backends",
+    "first_party_backends",
     "get_backend",
     "get_frontend",
     "plugin_manager",
@@ -75,10 +79,32 @@ ENTRY_POINT_GROUP = "meshlift"
 STRICT_ENV = "MESHLIFT_STRICT_PLUGINS"
 DISABLE_ENV = "MESHLIFT_DISABLE_PLUGINS"
 
-#: Backend names that only their first-party distribution may register.
-FIRST_PARTY_BACKENDS: Mapping[str, str] = MappingProxyType(
-    {"jit": "meshlift-jit", "shard_map": "meshlift-shard-map", "pjit": "meshlift-pjit"}
-)
+#: The core's front ends: `ml.jit` runs the backend named "jit", and so on.
+FRONT_ENDS = ("jit", "shard_map", "pjit")
+
+
+@functools.cache
+def first_party_backends() -> Mapping[str, str]:
+    """Front-end name -> the distribution whose backend it runs, as the core's extras
+    declare them (`jit = ["meshlift-jit"]`); empty if meshlift is not installed.
+
+    Example:
+
+    ```python
+    assert ml.plugins.first_party_backends()["shard_map"] == "meshlift-shard-map"
+    ```
+    """
+    try:
+        requirements = metadata.requires("meshlift") or []
+    except metadata.PackageNotFoundError:  # run from a source tree
+        return MappingProxyType({})
+    extras = {}
+    for requirement in requirements:
+        match = re.fullmatch(r'([\w.-]+)\s*;\s*extra\s*==\s*"([\w.-]+)"', requirement)
+        if match:
+            extras[_fold(match.group(2))] = _canonical(match.group(1))
+    return MappingProxyType({name: extras[name] for name in FRONT_ENDS if name in extras})
+
 
 _DEFAULT_VERSION = attrs.fields(Backend).version.default
 
@@ -227,8 +253,8 @@ def get_backend(backend: str | Backend) -> Backend:
 def get_frontend(name: str) -> Callable[..., Any]:
     """The user-facing wrapper of a first-party backend: what `ml.jit` calls.
 
-    `name` is a key of `FIRST_PARTY_BACKENDS`. Only that distribution can
-    register the name, so the wrapper returned is always its own.
+    `name` is one of `FRONT_ENDS`. Only its distribution (`first_party_backends`)
+    can register the name, so the wrapper returned is always its own.
 
     Example:
 
@@ -237,7 +263,7 @@ def get_frontend(name: str) -> Callable[..., Any]:
     assert double(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
     ```
     """
-    distribution = FIRST_PARTY_BACKENDS[name]
+    distribution = first_party_backends().get(name, f"the distribution of ml.{name}")
     registry = _get_registry()
     backend = registry.backends.get(name)
     if backend is None:
@@ -411,7 +437,7 @@ def _check_first_party_name(
     The distribution is the entry point's, not what the backend says it is;
     a backend registered in this process is taken at its word.
     """
-    owner = FIRST_PARTY_BACKENDS.get(backend.name)
+    owner = first_party_backends().get(backend.name)
     source = distribution.name if distribution is not None else backend.distribution
     if owner is None or (source is not None and _canonical(source) == owner):
         return
@@ -442,7 +468,7 @@ def _not_found_message(name: str, registry: _Registry, headline: str | None = No
 
 def _how_to_get(name: str, registry: _Registry) -> str:
     """The rest of the not-found sentence: the one fix that applies to `name`."""
-    distribution = FIRST_PARTY_BACKENDS.get(name)
+    distribution = first_party_backends().get(name)
     it = f"It comes with {distribution}, which" if distribution else "It"
     if name in registry.disabled:
         return f". {it} is disabled: remove {name!r} from {DISABLE_ENV} to use it."
