@@ -122,7 +122,6 @@ class Lifted(Generic[Params, Result]):
         self._graph_context = compat.graph_context()
         self._entries = LayoutCache()
         self._plan: speedups.CallPlan | None = None  # the last call's, if the next may repeat it
-        self._passed: dict[Any, tuple[int, ...]] = {}  # treedef -> leaves passed through
         self._staged = shared_stages(fun, self._options_key())
 
     def __repr__(self) -> str:
@@ -319,20 +318,19 @@ class Lifted(Generic[Params, Result]):
             tuple(map(id, nodes)),
             mesh,
         )
-        passed = self._passed.get(treedef) if self._passed else None
-        if passed:
-            key += tuple(pass_key(leaves[i]) for i in passed)
+        if self.backend.passes_through_none:  # a leaf that is no array may be compiled in
+            key += tuple(pass_key(v) for i, v in enumerate(leaves) if i not in positions)
         call = Call(leaves, nodes)
+        remember = modes.fast_paths
         try:
-            entry = self._entries.get(key) if modes.fast_paths else None
-        except TypeError:  # an unhashable value passed through: the Layout names it
-            entry = None
+            entry = self._entries.get(key) if remember else None
+        except TypeError:  # an unhashable leaf: the Layout names it if it passes through
+            entry, remember = None, False
         if entry is None or not entry.layout.split.unchanged():
             entry = self._new_entry(args, kwargs, call, treedef, statics, mesh)
-            self._entries.put(key, entry, call.nodes)
-            if entry.layout.passed:
-                self._passed[treedef] = passed = tuple(entry.layout.passed)
-        if not (kwargs or statics or passed) and treedef is flat_treedef(len(args)):
+            if remember:
+                self._entries.put(key, entry, call.nodes)
+        if not (kwargs or statics or entry.layout.passed) and treedef is flat_treedef(len(args)):
             call.flat_positions = positions  # a call like it may skip this lookup
         return entry, call
 
