@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax import monitoring
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
@@ -136,3 +137,19 @@ def test_a_parameter_no_filter_matches_is_the_error_a_call_raises():
         ml.jit(lambda m: m.kernel[...].sum(), in_shardings=(plan,), mesh=mesh)(layer)
     assert report.problems == [("bias", str(call.value))]  # the same lookup, the same words
     assert "no filter of the plan matches `bias` (Param, shape (8,))" in str(call.value)
+
+
+def test_a_named_sharding_on_another_mesh_is_placed_as_a_call_places_it():
+    mesh, flat = ml.make_mesh({"data": 2, "model": 4}), ml.make_mesh({"x": 8})
+    layer = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    plan = ml.StateSharding({ml.path_endswith("kernel"): NamedSharding(flat, P("x")), ...: P()})
+    step = ml.jit(lambda m: m.kernel[...].sum(), in_shardings=(plan,), mesh=mesh)
+    step(layer)  # runs: JAX places the kernel on its own mesh
+    placed = jax.jit(lambda k: k, in_shardings=NamedSharding(flat, P("x")))(layer.kernel[...])
+    report = ml.explain(layer, plan, mesh)
+    assert report.ok  # no problem a call does not have
+    kernel = report.row("kernel")
+    assert kernel.shards == 8
+    assert kernel.bytes_per_device == placed.addressable_shards[0].data.nbytes
+    assert report.warnings[0] == "`kernel` is placed on its NamedSharding's mesh, {'x': 8}"
+    assert report.layout("kernel").grid() == [[str(i)] for i in range(8)]

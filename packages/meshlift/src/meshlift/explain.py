@@ -39,12 +39,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from meshlift import resolve
 from meshlift.blocks import Blocks, mesh_of_devices, spec_entry
 from meshlift.mesh import current_mesh
 from meshlift.metadata import annotated_leaves
 from meshlift.paths import PlanError, format_path
-from meshlift.sharding import StateSharding
-from meshlift.specs import spec_axes, spec_problems
+from meshlift.sharding import Spec, StateSharding
+from meshlift.specs import spec_axes
 
 if TYPE_CHECKING:
     from meshlift.logical import Rules
@@ -64,6 +65,8 @@ class Row:
     bytes: int
     bytes_per_device: int
     problems: tuple[str, ...] = ()
+    #: The mesh of the NamedSharding the plan gives, where it gives one (`layout` draws on it).
+    own_mesh: Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +158,7 @@ class Explanation:
                 f"cannot draw `{row.path}`: its sharding is not a PartitionSpec on the mesh "
                 f"(it is left to the compiler, or another kind of jax Sharding)"
             )
-        mesh = self.mesh or mesh_of_devices(self.mesh_shape)
+        mesh = row.own_mesh or self.mesh or mesh_of_devices(self.mesh_shape)
         return Blocks.of(row.path, row.shape, row.dtype, row.spec, mesh)
 
     def show(self, *paths: str, console: Console | None = None) -> None:
@@ -269,60 +272,50 @@ def explain(
     items = annotated_leaves(model_or_tree)
     plan, rules = _plan_and_rules(plan_or_rules)
     matched: set[int] = set()
-    rows = []
+    rows, notes = [], []
     for item in items:
         path = format_path(item.path)
-        problems: list[str] = []
-        spec: PartitionSpec | None = None
-        try:
-            if plan is None:
-                spec = item.spec(rules, mesh_shape)
-            else:
-                spec = _spec_from_plan(plan, item, matched, mesh_shape, problems)
-        except PlanError:  # logical names and no rules
-            problems.append(
-                f"it has the logical names {item.names} but no axis rules are set; pass the "
-                f"rules as the plan, e.g. [('hidden', 'model')], or use ml.axis_rules"
-            )
-        if spec is not None:
-            problems += spec_problems(spec, item.shape, mesh_shape)
-        rows.append(_row(path, item, spec, mesh_shape, problems))
+        placed, own_mesh = _placed(item, plan, rules, mesh_shape, matched)
+        if placed.mesh_shape != mesh_shape:
+            notes.append(f"`{path}` is placed on its NamedSharding's mesh, {placed.mesh_shape}")
+        rows.append(_row(path, item, placed, own_mesh))
     return Explanation(
         mesh_shape,
         tuple(rows),
-        _warnings(rows, plan, matched, mesh_shape, large_replicated_bytes),
+        (*notes, *_warnings(rows, plan, matched, mesh_shape, large_replicated_bytes)),
         mesh=concrete,
     )
 
 
-def _spec_from_plan(
-    plan: StateSharding,
-    item: Any,
-    matched: set[int],
-    mesh_shape: dict[str, int],
-    problems: list[str],
-) -> PartitionSpec | None:
-    try:  # the rule a call would take, or the error it would raise
-        index = plan.rule_for(item.path, item.holder)
+def _placed(
+    item: Any, plan: StateSharding | None, rules: Any, mesh_shape: dict[str, int], matched: set
+) -> tuple[resolve.Placement, Mesh | None]:
+    """How a call places `item` (the rule it takes, or the error it raises), and the mesh
+    of the NamedSharding it is given, if any. The plan's rules that match go in `matched`."""
+    spec: Spec
+    try:
+        if plan is None:
+            spec = item.spec(rules, mesh_shape)
+        else:
+            index = plan.rule_for(item.path, item.holder)
+            matched.add(index)
+            spec = plan.rules[index][2]
     except PlanError as error:
-        problems.append(str(error))
-        return PartitionSpec()
-    matched.add(index)
-    spec = plan.rules[index][2]
-    if isinstance(spec, NamedSharding):
-        if dict(spec.mesh.shape) != mesh_shape:
-            problems.append(
-                f"its NamedSharding is on mesh {dict(spec.mesh.shape)}, not {mesh_shape}"
-            )
-        return spec.spec
-    if isinstance(spec, Sharding):
-        return None  # another kind of sharding: JAX checks it
-    return spec
+        problem = str(error) if plan is not None else _needs_rules(item)
+        return resolve.Placement(PartitionSpec(), mesh_shape, (problem,)), None
+    own = spec.mesh if isinstance(spec, NamedSharding) else None
+    return resolve.placement(spec, mesh_shape, item.shape), own if isinstance(own, Mesh) else None
 
 
-def _row(
-    path: str, item: Any, spec: PartitionSpec | None, mesh_shape: dict[str, int], problems: list
-) -> Row:
+def _needs_rules(item: Any) -> str:
+    return (
+        f"it has the logical names {item.names} but no axis rules are set; pass the "
+        f"rules as the plan, e.g. [('hidden', 'model')], or use ml.axis_rules"
+    )
+
+
+def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None) -> Row:
+    spec, mesh_shape, problems = placed.spec, placed.mesh_shape, placed.problems
     shape = item.shape
     itemsize = np.dtype(item.value.dtype).itemsize
     total = math.prod(shape) * itemsize
@@ -344,6 +337,7 @@ def _row(
         total,
         per_device,
         tuple(dict.fromkeys(problems)),
+        own_mesh,
     )
 
 

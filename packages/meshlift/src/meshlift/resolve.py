@@ -21,6 +21,7 @@ assert sharding.spec == P("data")
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +34,44 @@ from meshlift.graph import is_graph_leaf, variable_paths
 from meshlift.paths import Path, PlanError, format_path, key_name
 from meshlift.sharding import Spec, StateSharding, is_spec, value_shape
 from meshlift.specs import spec_problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one spec places an array: the checks of a call, as data (`ml.explain` reads it).
+
+    `spec` is the PartitionSpec (None: none, or another kind of Sharding,
+    which JAX checks), `mesh_shape` the mesh it is on (a NamedSharding's own), and
+    `problems` every reason it cannot place the array.
+    """
+
+    spec: PartitionSpec | None
+    mesh_shape: dict[str, int]
+    problems: tuple[str, ...]
+
+
+def placement(
+    spec: Spec,
+    mesh_shape: Mapping[str, int],
+    shape: tuple[int, ...] | None,
+    what: str = "sharding",
+) -> Placement:
+    """`spec` placing an array of `shape` (None: not known yet) on a mesh of `mesh_shape`.
+
+    Example:
+
+    ```python
+    from meshlift.resolve import placement
+
+    [problem] = placement(P("data"), {"data": 2}, (7,)).problems
+    assert "dimension 0 (size 7) is not divisible by 2" in problem
+    ```
+    """
+    if isinstance(spec, NamedSharding):
+        mesh_shape, spec = dict(spec.mesh.shape), spec.spec
+    if not isinstance(spec, PartitionSpec):
+        return Placement(None, dict(mesh_shape), ())
+    return Placement(spec, dict(mesh_shape), tuple(spec_problems(spec, shape, mesh_shape, what)))
 
 
 def to_sharding(
@@ -51,19 +90,14 @@ def to_sharding(
             f"`{path}` has the bare spec {spec} but no mesh is known: pass mesh= to the "
             f"transform, or call it inside `with ml.use_mesh(mesh):`"
         )
-    named = spec if isinstance(spec, NamedSharding) else None
-    if named is not None:
-        mesh, spec = named.mesh, named.spec
-    if not isinstance(spec, PartitionSpec):
-        return spec  # another kind of Sharding: JAX checks it
     shape = value_shape(value) if value is not None else None
-    problems = spec_problems(spec, shape, dict(mesh.shape), what)
-    if problems:
+    placed = placement(spec, mesh_shape(mesh) or {}, shape, what)
+    if placed.problems:
         raise PlanError(
-            f"cannot shard `{path}` (shape {shape}) with {what} {spec} on mesh "
-            f"{dict(mesh.shape)}: " + "; ".join(problems)
+            f"cannot shard `{path}` (shape {shape}) with {what} {placed.spec} on mesh "
+            f"{placed.mesh_shape}: " + "; ".join(placed.problems)
         )
-    return named or NamedSharding(mesh, spec)
+    return NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
 
 
 def mesh_shape(mesh: Any) -> dict[str, int] | None:
