@@ -185,6 +185,95 @@ def test_plugin_whose_hook_raises_registers_nothing(install):
     assert not plugins.plugin_manager().has_plugin("raises")
 
 
+HOOK_MISTAKES = {
+    "misspelled": (
+        """
+        import meshlift as ml
+
+        @ml.hookimpl
+        def meshlift_register_backend(register):
+            register(ml.Backend(name="lost", stage=lambda fn, spec: fn))
+        """,
+        "PluginError: The plugin defines meshlift_register_backend() at {file}:4, which is not "
+        "a meshlift hook; did you mean meshlift_register_backends? meshlift's hooks: "
+        "meshlift_register_backends (meshlift.hookspecs).",
+    ),
+    "unmarked": (
+        """
+        import meshlift as ml
+
+        def meshlift_register_backends(register):
+            register(ml.Backend(name="lost", stage=lambda fn, spec: fn))
+        """,
+        "PluginError: The plugin defines meshlift_register_backends() at {file}:4 but does not "
+        "mark it @meshlift.hookimpl, so meshlift would never call it. Decorate it: @ml.hookimpl",
+    ),
+    "marked_other": (
+        """
+        import meshlift as ml
+
+        @ml.hookimpl
+        def register_backends(register):
+            register(ml.Backend(name="lost", stage=lambda fn, spec: fn))
+        """,
+        "PluginError: The plugin defines register_backends() at {file}:4, which is not a "
+        "meshlift hook; did you mean meshlift_register_backends? meshlift's hooks: "
+        "meshlift_register_backends (meshlift.hookspecs).",
+    ),
+    "empty": (
+        "BACKENDS = []\n",
+        "PluginError: The plugin implements no meshlift hook, so it adds nothing. Define "
+        "`@ml.hookimpl def meshlift_register_backends(register): ...` in it "
+        "(meshlift.hookspecs lists the hooks: meshlift_register_backends).",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(HOOK_MISTAKES))
+def test_a_hook_meshlift_would_not_call_is_a_load_error_naming_it(install, mistake, tmp_path):
+    source, message = HOOK_MISTAKES[mistake]
+    install("meshlift-typo", "1.0", {"typo": source})
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    assert names() == ["good"]  # the others still load
+    [error] = ml.backends().errors
+    assert (error.plugin, error.distribution) == ("typo", "meshlift-typo")
+    assert error.error == message.format(file=tmp_path / "site0" / "typo_plugin.py")
+    assert not plugins.plugin_manager().has_plugin("typo")
+
+
+def test_a_hook_with_a_parameter_the_spec_lacks_names_the_plugin_and_the_definition(install):
+    source = """
+        import meshlift as ml
+
+        @ml.hookimpl
+        def meshlift_register_backends(registry):
+            pass
+    """
+    install("meshlift-args", "1.0", {"args": source})
+
+    [error] = ml.backends().errors
+    assert error.error.startswith(
+        "PluginValidationError: Plugin 'args' for hook 'meshlift_register_backends'\n"
+        "hookimpl definition: meshlift_register_backends(registry)\n"
+        "Argument(s) {'registry'} are declared in the hookimpl but can not be found in the hookspec"
+    )
+
+
+def test_two_distributions_with_one_entry_point_name_are_named_both(install):
+    install("meshlift-first", "1.0", {"same": GOOD.format(name="first")})
+    install("meshlift-second", "2.0", {"same": GOOD.format(name="second")})
+
+    assert names() == ["first"]
+    [error] = ml.backends().errors
+    assert (error.plugin, error.distribution) == ("same", "meshlift-second")
+    assert error.error == (
+        "PluginError: Two plugins are named 'same': one from meshlift-first 1.0, one from "
+        "meshlift-second 2.0. meshlift loads one plugin per name: uninstall one, or rename "
+        "its entry point."
+    )
+
+
 def test_registering_a_non_backend_is_recorded(install):
     source = """
         import meshlift as ml

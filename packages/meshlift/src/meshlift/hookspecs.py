@@ -2,7 +2,8 @@
 
 A plugin is a module (or object) with functions marked `@meshlift.hookimpl`
 whose names match the specs below, published under the `meshlift`
-entry-point group:
+entry-point group. A plugin with a function meshlift would not call (an
+unknown `meshlift_*` name, an unmarked hook) fails to load, named:
 
 ```toml
 # pyproject.toml of a backend distribution

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -107,6 +108,7 @@ def first_party_backends() -> Mapping[str, str]:
 
 
 _DEFAULT_VERSION = attrs.fields(Backend).version.default
+_HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("meshlift_"))
 
 
 class PluginError(Exception):
@@ -199,6 +201,7 @@ class _Registry:
     disabled: frozenset[str]
     backends: dict[str, Backend] = attrs.field(factory=dict)
     errors: list[LoadError] = attrs.field(factory=list)
+    origins: dict[str, str] = attrs.field(factory=dict)  # plugin name -> where it came from
 
     def installed(self) -> InstalledBackends:
         return InstalledBackends(
@@ -380,8 +383,21 @@ def _add_plugin(
 ) -> None:
     """Register `plugin` and call its hook: all of its backends are added, or none."""
     pm = registry.pm
+    origin = _origin(*(distribution.name, distribution.version) if distribution else (None, None))
+    if name is not None and pm.get_plugin(name) is not None:
+        raise PluginError(
+            f"Two plugins are named {name!r}: one from {registry.origins.get(name, origin)}, one from "
+            f"{origin}. meshlift loads one plugin per name: uninstall one, or rename its "
+            f"entry point."
+        )
     if pm.register(plugin, name=name) is None:  # blocked by MESHLIFT_DISABLE_PLUGINS
         return
+    registry.origins[pm.get_name(plugin) or ""] = origin
+    try:
+        _check_hooks(pm, plugin)
+    except PluginError:
+        pm.unregister(plugin)
+        raise
     staged = attrs.evolve(registry, backends=dict(registry.backends))
     others = [p for p in pm.get_plugins() if p is not plugin]
     plugin_name = pm.get_name(plugin)
@@ -393,6 +409,44 @@ def _add_plugin(
         pm.unregister(plugin)
         raise
     registry.backends = staged.backends
+
+
+def _check_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
+    """Refuse a plugin whose hooks meshlift would not call, as pytest refuses unknown hooks:
+    a function marked `@ml.hookimpl` or named `meshlift_*` that is no hook, a hook left
+    unmarked, or no hook at all. The error names the function and where it is defined."""
+    callers = pm.get_hookcallers(plugin) or []
+    marked = {caller.name for caller in callers}
+    for function_name in sorted(marked | {n for n in dir(plugin) if n.startswith("meshlift_")}):
+        function = getattr(plugin, function_name, None)
+        if not callable(function) or (function_name in _HOOKS and function_name in marked):
+            continue
+        where = f"{function_name}() at {_where(function)}"
+        if function_name in _HOOKS:
+            raise PluginError(
+                f"The plugin defines {where} but does not mark it @meshlift.hookimpl, so "
+                f"meshlift would never call it. Decorate it: @ml.hookimpl"
+            )
+        close = difflib.get_close_matches(function_name, _HOOKS, n=1)
+        raise PluginError(
+            f"The plugin defines {where}, which is not a meshlift hook"
+            + (f"; did you mean {close[0]}?" if close else ".")
+            + f" meshlift's hooks: {', '.join(_HOOKS)} (meshlift.hookspecs)."
+        )
+    if not marked:
+        raise PluginError(
+            f"The plugin implements no meshlift hook, so it adds nothing. Define "
+            f"`@ml.hookimpl def meshlift_register_backends(register): ...` in it "
+            f"(meshlift.hookspecs lists the hooks: {', '.join(_HOOKS)})."
+        )
+
+
+def _where(function: Any) -> str:
+    """`path/to/file.py:12`, or the function's qualified name if it has no source file."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return getattr(function, "__qualname__", repr(function))
+    return f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def _add_backend(
