@@ -385,10 +385,10 @@ def _add_plugin(
     pm = registry.pm
     origin = _origin(*(distribution.name, distribution.version) if distribution else (None, None))
     if name is not None and pm.get_plugin(name) is not None:
+        first = registry.origins.get(name, origin)
         raise PluginError(
-            f"Two plugins are named {name!r}: one from {registry.origins.get(name, origin)}, one from "
-            f"{origin}. meshlift loads one plugin per name: uninstall one, or rename its "
-            f"entry point."
+            f"Two plugins are named {name!r}: one from {first}, one from {origin}. meshlift "
+            f"loads one plugin per name: uninstall one, or rename its entry point."
         )
     if pm.register(plugin, name=name) is None:  # blocked by MESHLIFT_DISABLE_PLUGINS
         return
