@@ -182,6 +182,50 @@ def test_staging_error_names_the_backend_and_its_origin():
     assert "backend 'broken' (registered in this process)" in "\n".join(info.value.__notes__)
 
 
+def test_a_stage_that_returns_nothing_names_the_backend():
+    backend = ml.Backend(name="forgetful", stage=lambda fn, spec: None)
+    with pytest.raises(TypeError) as info:
+        ml.transform(backend, lambda x: x)(jnp.ones(2))
+    assert str(info.value) == (
+        "backend 'forgetful' (registered in this process) staged <lambda> as NoneType None: "
+        "its stage(fn, spec) must return the staged callable, such as jax.jit(fn, ...); did "
+        "it forget to return it?"
+    )
+
+
+def test_stages_a_backend_lacks_name_the_backend():
+    def stage(fn, spec):
+        jitted = jax.jit(fn)
+        return lambda *args: jitted(*args)  # callable, but no trace / lower
+
+    f = ml.transform(ml.Backend(name="bare", stage=stage), lambda x: 2 * x)
+    assert f(jnp.ones(2)).tolist() == [2.0, 2.0]
+    with pytest.raises(
+        AttributeError,
+        match=r"backend 'bare' \(registered in this process\) "
+        r"staged <lambda> as function, which has no \.lower\(\)",
+    ):
+        f.lower(jnp.ones(2))
+
+
+def test_an_error_raised_while_the_backend_runs_the_function_names_the_backend():
+    backend = ml.Backend(name="plain", stage=lambda fn, spec: jax.jit(fn))
+
+    def bad(x):
+        return x.reshape(3)
+
+    with pytest.raises(TypeError, match="cannot reshape") as info:
+        ml.transform(backend, bad)(jnp.ones(2))
+    assert "raised while backend 'plain' (registered in this process) ran bad" in (
+        info.value.__notes__
+    )
+    with pytest.raises(TypeError) as info:
+        ml.jit(bad)(jnp.ones(2))
+    assert f"raised while backend 'jit' (meshlift-jit {ml.get_backend('jit').version}) ran bad" in (
+        info.value.__notes__
+    )
+
+
 def test_graph_node_given_as_a_spec_is_refused_when_lifting():
     with pytest.raises(ml.PlanError, match="graph node, where specs go"):
         ml.jit(lambda m: m, in_shardings=(nnx.Dict(a=P()),))

@@ -136,3 +136,11 @@ class Backend:
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     description: str = ""
     passes_through_none: bool = False
+
+    @property
+    def origin(self) -> str:
+        """Where it comes from, as errors say it: `meshlift-jit 0.1.0`, or
+        `registered in this process`."""
+        if self.distribution is None:
+            return "registered in this process"
+        return f"{self.distribution} {self.version}"

@@ -102,6 +102,11 @@ def recover(
     except Exception as final:
         if layout.donated:
             _note_consumed(layout, final, values)
+        if final is error:  # raised by the staged function, not by meshlift's checks
+            names = layout.names
+            final.add_note(
+                f"raised while backend {names.backend!r} ({names.origin}) ran {names.function}"
+            )
         explain(layout, final, call)
         raise
     return finish(entry, outputs, values, moved, call)

@@ -65,12 +65,14 @@ _REF_DONATION = (
 @attrs.frozen
 class Names:
     """The words errors use for a lifted function: its name, its front end's names for
-    the argument and output specs (`in_shardings`, `out_specs`...), and its backend's."""
+    the argument and output specs (`in_shardings`, `out_specs`...), and its backend's
+    name and origin (`meshlift-jit 0.1.0`)."""
 
     function: str
     in_specs: str = "in_specs"
     out_specs: str = "out_specs"
     backend: str = "jit"
+    origin: str = "registered in this process"
 
 
 class Call:

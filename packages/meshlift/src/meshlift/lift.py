@@ -116,7 +116,10 @@ class Lifted(Generic[Params, Result]):
             self.specs = _with_receiver_spec(self.specs)
         self.fun = fun
         self.names = Names(
-            getattr(fun, "__name__", "the lifted function"), *self.specs.names, self.backend.name
+            getattr(fun, "__name__", "the lifted function"),
+            *self.specs.names,
+            self.backend.name,
+            self.backend.origin,
         )
         self.signature = Signature(fun, *argnums)
         self._graph_context = compat.graph_context()
@@ -247,22 +250,35 @@ class Lifted(Generic[Params, Result]):
         """Trace for these arguments; `.lower()` continues. Nothing is written back."""
         entry, call = self._entry(self._bound(args), kwargs)
         with named_errors(entry.layout, call):
-            return Traced(entry.staged.trace(*calls.placed_inputs(entry.layout, call)), entry, self)
+            trace = self._stage_method(entry, "trace")
+            return Traced(trace(*calls.placed_inputs(entry.layout, call)), entry, self)
 
     def lower(self, *args: Params.args, **kwargs: Params.kwargs) -> Lowered:
         """Lower for these arguments; `.compile()` gives a `Compiled` called like this
         function, without the static arguments (they are part of the program)."""
         entry, call = self._entry(self._bound(args), kwargs)
         with named_errors(entry.layout, call):
-            return Lowered(
-                entry.staged.lower(*calls.placed_inputs(entry.layout, call)), entry, self
-            )
+            lower = self._stage_method(entry, "lower")
+            return Lowered(lower(*calls.placed_inputs(entry.layout, call)), entry, self)
 
     def eval_shape(self, *args: Params.args, **kwargs: Params.kwargs) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
         entry, call = self._entry(self._bound(args), kwargs)
         with named_errors(entry.layout, call):
             return calls.eval_shape(entry, call)
+
+    def _stage_method(self, entry: Entry, method: str) -> Any:
+        """`entry.staged.<method>` (`trace`, `lower`); its absence names the backend."""
+        found = getattr(entry.staged, method, None)
+        if found is None:
+            names = self.names
+            raise AttributeError(
+                f"backend {names.backend!r} ({names.origin}) staged {names.function} as "
+                f"{type(entry.staged).__name__}, which has no .{method}(): its stage() must "
+                f"return what jax.jit returns for {names.function}.{method}() to work (the "
+                f"'stages' capability)"
+            )
+        return found
 
     def _bound(self, args: tuple) -> tuple:
         """The arguments with the receiver of a lifted bound method first."""
@@ -388,15 +404,20 @@ class Lifted(Generic[Params, Result]):
             donate_argnums=layout.donate_argnums,
             options=self.options,
         )
+        names = self.names
         try:
             staged = self.backend.stage(layout.pure, spec)
         except Exception as error:
-            origin = self.backend.distribution or "registered in this process"
             error.add_note(
-                f"raised while backend {self.backend.name!r} ({origin}) staged "
-                f"{self.names.function}"
+                f"raised while backend {names.backend!r} ({names.origin}) staged {names.function}"
             )
             raise
+        if not callable(staged):
+            raise TypeError(
+                f"backend {names.backend!r} ({names.origin}) staged {names.function} as "
+                f"{type(staged).__name__} {staged!r}: its stage(fn, spec) must return the staged "
+                f"callable, such as jax.jit(fn, ...); did it forget to return it?"
+            )
         self._staged[layout.key] = staged
         return staged
 
