@@ -7,9 +7,10 @@ lookup through flax's `Variable.__getattr__` hook; `meshlift._speedups`
 calls the slot's descriptor directly, in one C loop per step. A repeated
 call runs on a `CallPlan`, whose fields C reads by name: `plan_inputs`
 checks the arguments and reads the staged function's inputs, `plan_write`
-writes its outputs back, each in one C call (`plan_matches` only checks). Where the extension was not built (no C compiler at install time),
-the pure-Python twins below give the same results. `COMPILED` says which
-is in use.
+writes its outputs back, each in one C call (`plan_matches` only checks).
+Where the extension was not built (no C compiler at install time), the
+pure-Python twins below give the same results. `COMPILED` says which is in
+use.
 
 Example:
 
