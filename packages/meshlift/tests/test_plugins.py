@@ -194,7 +194,7 @@ HOOK_MISTAKES = {
         def meshlift_register_backend(register):
             register(ml.Backend(name="lost", stage=lambda fn, spec: fn))
         """,
-        "PluginError: The plugin defines meshlift_register_backend() at {file}:4, which is not "
+        "PluginValidationError: The plugin defines meshlift_register_backend() at {file}:4, which is not "
         "a meshlift hook; did you mean meshlift_register_backends? meshlift's hooks: "
         "meshlift_register_backends (meshlift.hookspecs).",
     ),
@@ -205,7 +205,7 @@ HOOK_MISTAKES = {
         def meshlift_register_backends(register):
             register(ml.Backend(name="lost", stage=lambda fn, spec: fn))
         """,
-        "PluginError: The plugin defines meshlift_register_backends() at {file}:4 but does not "
+        "PluginValidationError: The plugin defines meshlift_register_backends() at {file}:4 but does not "
         "mark it @meshlift.hookimpl, so meshlift would never call it. Decorate it: @ml.hookimpl",
     ),
     "marked_other": (
@@ -216,13 +216,13 @@ HOOK_MISTAKES = {
         def register_backends(register):
             register(ml.Backend(name="lost", stage=lambda fn, spec: fn))
         """,
-        "PluginError: The plugin defines register_backends() at {file}:4, which is not a "
+        "PluginValidationError: The plugin defines register_backends() at {file}:4, which is not a "
         "meshlift hook; did you mean meshlift_register_backends? meshlift's hooks: "
         "meshlift_register_backends (meshlift.hookspecs).",
     ),
     "empty": (
         "BACKENDS = []\n",
-        "PluginError: The plugin implements no meshlift hook, so it adds nothing. Define "
+        "PluginValidationError: The plugin implements no meshlift hook, so it adds nothing. Define "
         "`@ml.hookimpl def meshlift_register_backends(register): ...` in it "
         "(meshlift.hookspecs lists the hooks: meshlift_register_backends).",
     ),

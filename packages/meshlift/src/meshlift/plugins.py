@@ -395,7 +395,7 @@ def _add_plugin(
     registry.origins[pm.get_name(plugin) or ""] = origin
     try:
         _check_hooks(pm, plugin)
-    except PluginError:
+    except pluggy.PluginValidationError:
         pm.unregister(plugin)
         raise
     staged = attrs.evolve(registry, backends=dict(registry.backends))
@@ -414,7 +414,8 @@ def _add_plugin(
 def _check_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
     """Refuse a plugin whose hooks meshlift would not call, as pytest refuses unknown hooks:
     a function marked `@ml.hookimpl` or named `meshlift_*` that is no hook, a hook left
-    unmarked, or no hook at all. The error names the function and where it is defined."""
+    unmarked, or no hook at all: pluggy's PluginValidationError, naming the function and
+    where it is defined."""
     callers = pm.get_hookcallers(plugin) or []
     marked = {caller.name for caller in callers}
     for function_name in sorted(marked | {n for n in dir(plugin) if n.startswith("meshlift_")}):
@@ -423,21 +424,24 @@ def _check_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
             continue
         where = f"{function_name}() at {_where(function)}"
         if function_name in _HOOKS:
-            raise PluginError(
+            raise pluggy.PluginValidationError(
+                plugin,
                 f"The plugin defines {where} but does not mark it @meshlift.hookimpl, so "
-                f"meshlift would never call it. Decorate it: @ml.hookimpl"
+                f"meshlift would never call it. Decorate it: @ml.hookimpl",
             )
         close = difflib.get_close_matches(function_name, _HOOKS, n=1)
-        raise PluginError(
+        raise pluggy.PluginValidationError(
+            plugin,
             f"The plugin defines {where}, which is not a meshlift hook"
             + (f"; did you mean {close[0]}?" if close else ".")
-            + f" meshlift's hooks: {', '.join(_HOOKS)} (meshlift.hookspecs)."
+            + f" meshlift's hooks: {', '.join(_HOOKS)} (meshlift.hookspecs).",
         )
     if not marked:
-        raise PluginError(
+        raise pluggy.PluginValidationError(
+            plugin,
             f"The plugin implements no meshlift hook, so it adds nothing. Define "
             f"`@ml.hookimpl def meshlift_register_backends(register): ...` in it "
-            f"(meshlift.hookspecs lists the hooks: {', '.join(_HOOKS)})."
+            f"(meshlift.hookspecs lists the hooks: {', '.join(_HOOKS)}).",
         )
 
 
