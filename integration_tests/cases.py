@@ -50,9 +50,13 @@ class Case:
     loss: Callable[..., jax.Array] = attrs.field(factory=lambda: mse)
     linen: bool = False
 
-    def step(self, manual: bool) -> Callable[..., Any]:
+    def step(self, backend: ml.Backend | None = None) -> Callable[..., Any]:
+        """The step as `backend` runs it (None: one device): per shard with
+        `manual-collectives`, averaging its own gradients without `vma-gradients`."""
         make = linen_step if self.linen else nnx_step
-        return make(self.loss, "data" if manual else None)
+        if backend is None or not is_manual(backend):
+            return make(self.loss, None)
+        return make(self.loss, "data", "vma-gradients" in backend.capabilities)
 
     def train(self, step: Callable[..., Any], state: tuple[Any, ...], x, y) -> tuple[Any, float]:
         """One step; returns the new state arguments and the loss."""
@@ -97,26 +101,34 @@ def global_loss(loss_fn, data_axis: str | None):
     return lambda *args: jax.lax.pmean(loss_fn(*args), data_axis)
 
 
-def nnx_step(loss_fn, data_axis: str | None):
-    """A train step; with ``data_axis`` it runs on one shard of the batch."""
-    loss_fn = global_loss(loss_fn, data_axis)
+def nnx_step(loss_fn, data_axis: str | None, sums_gradients: bool = True):
+    """A train step; with ``data_axis`` it runs on one shard of the batch. Without
+    ``sums_gradients`` (pmap's semantics, no capability ``vma-gradients``) it averages
+    each shard's gradients itself."""
+    averages = data_axis is not None and not sums_gradients
+    loss_fn = loss_fn if averages else global_loss(loss_fn, data_axis)
 
     def train_step(model, optimizer, x, y):
         loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        if averages:
+            loss, grads = jax.lax.pmean((loss, grads), data_axis)
         optimizer.update(model, grads)
         return loss
 
     return train_step
 
 
-def linen_step(loss_fn, data_axis: str | None):
-    loss_fn = global_loss(loss_fn, data_axis)
+def linen_step(loss_fn, data_axis: str | None, sums_gradients: bool = True):
+    averages = data_axis is not None and not sums_gradients
+    loss_fn = loss_fn if averages else global_loss(loss_fn, data_axis)
 
     def train_step(state, x, y):
         def loss_of(params):
             return loss_fn(lambda v: state.apply_fn({"params": params}, v), x, y)
 
         loss, grads = jax.value_and_grad(loss_of)(state.params)
+        if averages:
+            loss, grads = jax.lax.pmean((loss, grads), data_axis)
         return state.apply_gradients(grads=grads), loss
 
     return train_step
@@ -371,7 +383,7 @@ def reference(case: Case) -> tuple[list[float], list[np.ndarray]]:
     """Losses and final parameters of a plain single-device run (flax's nnx.jit, or jax.jit)."""
     state = case.make(False)
     x, y = case.batch()
-    step = (jax.jit if case.linen else nnx.jit)(case.step(False))
+    step = (jax.jit if case.linen else nnx.jit)(case.step())
     losses = []
     for _ in range(STEPS):
         state, loss = case.train(step, state, x, y)

@@ -47,7 +47,7 @@ def main(process_id: int, port: int, backend_name: str, out: str) -> None:
     with ml.use_mesh(mesh):
         step = ml.transform(
             backend,
-            MLP_CASE.step(manual),
+            MLP_CASE.step(backend),
             mesh=mesh,
             in_specs=(plan, plan, P("data"), P("data")),
             out_specs=P(),

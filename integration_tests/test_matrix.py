@@ -70,7 +70,7 @@ def test_case(case, backend_name, mesh_shape):
     out_specs = (plan, P()) if case.linen else P()
     step = ml.transform(
         backend,
-        case.step(manual),
+        case.step(backend),
         mesh=mesh,
         in_specs=(*[plan] * len(state), P("data"), P("data")),
         out_specs=out_specs,
@@ -109,7 +109,7 @@ def test_data_parallel_step_has_only_the_gradient_all_reduces(backend_name):
     x, y = case.batch()
     step = ml.transform(
         backend,
-        case.step(manual),
+        case.step(backend),
         mesh=mesh,
         in_specs=(case.plan, case.plan, P("data"), P("data")),
         out_specs=P(),

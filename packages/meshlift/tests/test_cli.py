@@ -59,7 +59,7 @@ def toy(site):
         @ml.hookimpl
         def meshlift_register_backends(register):
             register(ml.Backend(name="toy", stage=lambda fn, spec: jax.jit(fn),
-                                capabilities={"donate"}, description="A toy backend."))
+                                capabilities={"donation"}, description="A toy backend."))
     """
     install(site, "meshlift-toy", "2.5", "toy", source, "License-Expression: MIT\n")
 
@@ -103,7 +103,7 @@ def test_backends_check_table(toy, capsys):
 
     out = capsys.readouterr().out
     assert "name" in out and "capabilities" in out
-    assert "toy" in out and "2.5" in out and "donate" in out and "A toy backend." in out
+    assert "toy" in out and "2.5" in out and "donation" in out and "A toy backend." in out
     assert "failed to load" not in out
 
 
@@ -133,7 +133,7 @@ def test_backends_json(toy, broken, capsys):
             "name": "toy",
             "distribution": "meshlift-toy",
             "version": "2.5",
-            "capabilities": ["donate"],
+            "capabilities": ["donation"],
             "description": "A toy backend.",
         }
     ]

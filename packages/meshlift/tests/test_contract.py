@@ -226,6 +226,20 @@ def test_an_error_raised_while_the_backend_runs_the_function_names_the_backend()
     )
 
 
+def test_a_misspelt_capability_names_the_backend_and_the_close_match():
+    with pytest.raises(ValueError) as info:
+        ml.Backend(name="mine", stage=jax.jit, capabilities={"stages", "donate"})
+    assert str(info.value).startswith(
+        "Backend 'mine' claims the capability 'donate', which meshlift does not know; did you "
+        "mean 'donation'? The capabilities are: auto-partitioning, manual-collectives,"
+    )
+
+
+def test_capabilities_given_as_one_string_is_a_type_error():
+    with pytest.raises(TypeError, match=r"got the string 'stages': write \{'stages'\}"):
+        ml.Backend(name="mine", stage=jax.jit, capabilities="stages")
+
+
 def test_graph_node_given_as_a_spec_is_refused_when_lifting():
     with pytest.raises(ml.PlanError, match="graph node, where specs go"):
         ml.jit(lambda m: m, in_shardings=(nnx.Dict(a=P()),))

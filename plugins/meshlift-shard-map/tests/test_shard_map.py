@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.testing import models as M
 from meshlift.testing.models import graph_mode_jit
 from meshlift_shard_map import AxisNameError
 
@@ -525,3 +526,39 @@ def test_one_tensor_parallel_plan_with_data_manual_and_model_automatic(mesh):
         np.testing.assert_allclose(mine[...], flax_one[...], rtol=1e-5, atol=1e-6)
         spec = plan.spec_for(path, mine)
         assert mine[...].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2), path
+
+
+# -- gradient semantics: check_vma decides which step is right (capability vma-gradients) ----
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_the_kits_step_for_each_gradient_semantics_trains_as_the_reference(mesh, check_vma):
+    model, optimizer = M.make_mlp()
+    step = ml.shard_map(
+        M.train_step(per_shard=True, sums_gradients=check_vma),
+        mesh=mesh,
+        in_specs=(M.TENSOR_PARALLEL, M.TENSOR_PARALLEL, P("data"), P("data")),
+        out_specs=P(),
+        check_vma=check_vma,
+    )
+    x, y = M.batch()
+    losses = [float(step(model, optimizer, x, y)) for _ in range(M.STEPS)]
+    ref_losses, ref_arrays = M.reference_training()
+    np.testing.assert_allclose(losses, ref_losses, atol=M.TOLERANCE)
+    for path, value in M.flat_arrays(model).items():
+        np.testing.assert_allclose(value, ref_arrays[path], atol=M.TOLERANCE, err_msg=str(path))
+
+
+def test_the_summing_step_without_vma_checks_gets_a_wrong_gradient(mesh):
+    """Why the kit needs the capability: the same step is wrong under the other semantics."""
+    model, optimizer = M.make_mlp()
+    step = ml.shard_map(
+        M.train_step(per_shard=True),
+        mesh=mesh,
+        in_specs=(M.TENSOR_PARALLEL, M.TENSOR_PARALLEL, P("data"), P("data")),
+        out_specs=P(),
+        check_vma=False,
+    )
+    x, y = M.batch()
+    losses = [float(step(model, optimizer, x, y)) for _ in range(M.STEPS)]
+    assert abs(losses[1] - M.reference_training()[0][1]) > 1e-3

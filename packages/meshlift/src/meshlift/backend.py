@@ -24,14 +24,55 @@ f = ml.transform(backend, lambda x: x * 2)
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
 
+CAPABILITIES: Mapping[str, str] = MappingProxyType(
+    {
+        "auto-partitioning": "the function is written for whole arrays and the compiler "
+        "inserts the collectives (jax.jit)",
+        "manual-collectives": "the function runs once per shard and writes its collectives "
+        "out (jax.shard_map)",
+        "partial-manual": "manual over some mesh axes, automatic over the others "
+        "(shard_map's axis_names)",
+        "vma-gradients": "with manual-collectives: the gradient of a value replicated over "
+        "an axis is summed over it, as under shard_map's check_vma=True; without it the "
+        "function averages its own gradients (pmap-era code: jax.lax.pmean(grads, axis))",
+        "global-rng": "random draws inside the function equal those of an unsharded run",
+        "stages": "the staged callable has trace and lower, and Lowered.compile() gives an "
+        "object called like the function",
+        "donation": "donate_argnums reuses the donated buffers",
+        "multi-process": "runs on a mesh spanning jax.distributed processes",
+        "call-site-mesh": "takes the mesh in context at each call (old pjit's `with mesh:`)",
+    }
+)
+"""The capabilities a backend can claim, each with what it promises. The conformance
+kit and the integration suite read them to pick the cases a backend must pass."""
 
-def _names(values: Iterable[str]) -> frozenset[str]:
+
+def _capabilities(values: Iterable[str]) -> frozenset[str]:
+    if isinstance(values, str):
+        raise TypeError(
+            f"capabilities is a set of names, got the string {values!r}: write {{{values!r}}}"
+        )
     return frozenset(values)
+
+
+def _known(backend: Backend, attribute: Any, capabilities: frozenset[str]) -> None:
+    """Refuse a capability meshlift does not know, naming the backend and the close match."""
+    for name in sorted(capabilities - CAPABILITIES.keys()):
+        close = difflib.get_close_matches(name, CAPABILITIES, n=1)
+        raise ValueError(
+            f"Backend {backend.name!r} claims the capability {name!r}, which meshlift does "
+            f"not know"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+            + f" The capabilities are: {', '.join(CAPABILITIES)} "
+            f"(meshlift.backend.CAPABILITIES says what each promises)."
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -97,6 +138,55 @@ def given_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
+def shard_map_specs(shardings: Any, axes: Iterable[str] | None = None) -> Any:
+    """The core's leaf shardings (`StageSpec.in_specs`/`out_specs`) as `jax.shard_map`
+    specs: each `NamedSharding`'s `PartitionSpec`, restricted to the manual `axes` if
+    given, and `P()` (replicated) where the core left a leaf unspecified (`None`).
+
+    What a backend that runs the function per device (`manual-collectives`) passes
+    to `jax.shard_map`, while `jax.jit` gets the shardings themselves.
+
+    Example:
+
+    ```python
+    from jax.sharding import NamedSharding
+
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    leaves = (NamedSharding(mesh, P("data", "model")), None)
+    assert ml.backend.shard_map_specs(leaves) == (P("data", "model"), P())
+    assert ml.backend.shard_map_specs(leaves, axes={"data"}) == (P("data", None), P())
+    ```
+    """
+    import jax  # here, not at the top: `meshlift backends` lists plugins without jax
+    from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+    manual = None if axes is None else frozenset(axes)
+
+    def within(entry: Any) -> Any:  # an entry (an axis, axes or None) over `manual` only
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            return None
+        if manual is None:
+            return entry
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    def local(sharding: Any) -> PartitionSpec:
+        if sharding is None:
+            return PartitionSpec()
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"shard_map takes PartitionSpecs or NamedShardings, got "
+                f"{type(sharding).__name__}: {sharding!r}; write the spec as a PartitionSpec"
+            )
+        return PartitionSpec(*map(within, spec))
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, PartitionSpec | Sharding)
+
+    return jax.tree.map(local, shardings, is_leaf=is_leaf)
+
+
 @attrs.frozen(kw_only=True)
 class Backend:
     """A transform backend, registered by a plugin or passed as an object.
@@ -117,8 +207,9 @@ class Backend:
       `StageSpec.options` (old option names converted, spec arguments
       taken out).
 
-    `capabilities` are free-form strings the integration suite reads to
-    decide which cases a backend declares it cannot run. With
+    `capabilities` name what the backend promises, from `CAPABILITIES`:
+    the conformance kit and the integration suite read them to pick the
+    cases it must pass; an unknown name is a ValueError. With
     `passes_through_none`, an argument leaf that is not an array and whose
     spec is `None` reaches the function unchanged (a Python `int` stays an
     `int`), compiled per value like a static argument, as `jax.shard_map`
@@ -133,7 +224,9 @@ class Backend:
     read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = given_options
     version: str = "0"
     distribution: str | None = None
-    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
+    capabilities: frozenset[str] = attrs.field(
+        default=frozenset(), converter=_capabilities, validator=_known
+    )
     description: str = ""
     passes_through_none: bool = False
 

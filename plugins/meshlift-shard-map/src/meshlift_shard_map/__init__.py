@@ -191,7 +191,7 @@ BACKEND = ml.Backend(
     read_options=normalize,
     version=__version__,
     distribution="meshlift-shard-map",
-    capabilities={"manual-collectives", "stages", "donation", "partial-manual"},
+    capabilities={"manual-collectives", "partial-manual", "vma-gradients", "stages", "donation"},
     description="jax.shard_map under jax.jit: per-device code with hand-written collectives",
     passes_through_none=True,
 )

@@ -29,7 +29,7 @@ from pathlib import PurePath
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding
 
 import meshlift as ml
 from meshlift_shard_map.options import manual_axes, normalize
@@ -48,8 +48,8 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
         jax.shard_map(
             _name_axis_errors(fn, manual, mesh),
             mesh=mesh,
-            in_specs=_local_specs(spec.in_specs, manual),
-            out_specs=_local_specs(spec.out_specs, manual),
+            in_specs=ml.backend.shard_map_specs(spec.in_specs, manual),
+            out_specs=ml.backend.shard_map_specs(spec.out_specs, manual),
             axis_names=manual,
             check_vma=options["check_vma"],
         )
@@ -99,34 +99,6 @@ def _mesh_of(spec: ml.StageSpec) -> Mesh:
         f"shard_map needs a concrete device mesh, got {spec.mesh!r}: pass mesh=, or call "
         f"the function inside `with ml.use_mesh(mesh):`"
     )
-
-
-def _is_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec | Sharding)
-
-
-def _local_specs(shardings: Any, manual: frozenset[str]) -> Any:
-    """The core's shardings as shard_map specs over the manual axes; None -> `P()`."""
-
-    def local(sharding: Any) -> PartitionSpec:
-        if sharding is None:
-            return PartitionSpec()
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-        if not isinstance(spec, PartitionSpec):
-            raise TypeError(
-                f"shard_map takes PartitionSpecs or NamedShardings, got "
-                f"{type(sharding).__name__}: {sharding!r}; write the spec as a PartitionSpec"
-            )
-        return PartitionSpec(*(_manual_entry(entry, manual) for entry in spec))
-
-    return jax.tree.map(local, shardings, is_leaf=_is_leaf)
-
-
-def _manual_entry(entry: Any, manual: frozenset[str]) -> Any:
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-        return None
-    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in manual)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _explain_varying_outputs(mapped: Callable[..., Any]) -> Callable[..., Any]:

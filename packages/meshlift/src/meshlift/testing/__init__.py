@@ -34,6 +34,9 @@ What the plugin adds:
 * `meshlift_per_shard`: whether the backend runs the function once per shard
   (capability `manual-collectives`), so tests pick the step that writes its
   collectives out (see `meshlift.testing.models`).
+* `meshlift_train_step`: the kit's train step in the form the backend's
+  capabilities call for: global, per shard, or per shard averaging its own
+  gradients (no `vma-gradients`: pmap's semantics).
 * `TestConformance`: the suite (`meshlift.testing.suite`).
 
 (PYTEST_DONT_REWRITE: this module asserts nothing; the suite's asserts are rewritten.)
@@ -54,7 +57,14 @@ import pytest
 pytest.register_assert_rewrite("meshlift.testing.suite", "meshlift.testing.models")
 
 import meshlift as ml  # noqa: E402
-from meshlift.testing.capabilities import MANUAL, missing, required_by, requires  # noqa: E402
+from meshlift.testing import models  # noqa: E402
+from meshlift.testing.capabilities import (  # noqa: E402
+    MANUAL,
+    VMA_GRADIENTS,
+    missing,
+    required_by,
+    requires,
+)
 from meshlift.testing.suite import TestConformance  # noqa: E402
 
 __all__ = [
@@ -124,6 +134,12 @@ def meshlift_backend(request: pytest.FixtureRequest) -> ml.Backend:
 def meshlift_per_shard(meshlift_backend: ml.Backend) -> bool:
     """True when the backend runs the function once per shard, with explicit collectives."""
     return MANUAL in meshlift_backend.capabilities
+
+
+@pytest.fixture
+def meshlift_train_step(meshlift_backend: ml.Backend, meshlift_per_shard: bool) -> Any:
+    """`models.train_step` as this backend's capabilities say its gradients behave."""
+    return models.train_step(meshlift_per_shard, VMA_GRADIENTS in meshlift_backend.capabilities)
 
 
 def _devices() -> list[Any]:

@@ -1,10 +1,14 @@
 """Capabilities the conformance kit reads, and `requires` to declare a test's needs.
 
-Capabilities are free-form strings on `ml.Backend.capabilities`. The kit
+A backend claims capabilities from `meshlift.backend.CAPABILITIES`. The kit
 reads these:
 
 * `manual-collectives`: the function runs once per shard and writes its
   collectives out (`shard_map`); the kit gives it per-shard steps.
+* `vma-gradients`: with `manual-collectives`, gradients of replicated
+  values are summed over their axes (`shard_map`'s `check_vma=True`); a
+  backend without it gets steps that average their own gradients, as pmap
+  code does.
 * `global-rng`: random draws inside the function equal those of an
   unsharded run (`jax.jit` draws globally; per-shard code draws per shard).
 * `stages`: the staged callable has `trace` and `lower`; `Lowered.compile()`
@@ -29,6 +33,7 @@ from typing import Any
 import meshlift as ml
 
 MANUAL = "manual-collectives"
+VMA_GRADIENTS = "vma-gradients"
 GLOBAL_RNG = "global-rng"
 STAGES = "stages"
 DONATION = "donation"

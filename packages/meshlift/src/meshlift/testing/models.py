@@ -7,7 +7,9 @@ collectives out: the row-parallel matmul sums over `model` with `psum`,
 and the loss (not the gradients) is averaged over `data` with `pmean`
 inside the differentiated function. (Averaging the gradients instead would
 double count under `shard_map`'s `check_vma=True`, which already sums the
-gradients of parameters replicated over `data`.)
+gradients of parameters replicated over `data`: capability `vma-gradients`.)
+A per-shard backend without `vma-gradients` gets the pmap-era step, which
+averages its gradients itself.
 
 Example:
 
@@ -90,18 +92,30 @@ def forward(model: MLP, x: jax.Array, *, per_shard: bool = False) -> jax.Array:
     return jax.lax.psum(y, "model") if per_shard else y
 
 
-def loss_fn(per_shard: bool) -> Callable[[MLP, jax.Array, jax.Array], jax.Array]:
-    """Mean squared error over the whole batch; per shard, the loss is averaged over `data`."""
+def loss_fn(
+    per_shard: bool, average: bool = True
+) -> Callable[[MLP, jax.Array, jax.Array], jax.Array]:
+    """Mean squared error over the whole batch; per shard, the loss is averaged over `data`
+    (unless not `average`: the shard's own loss)."""
 
     def loss(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
         value = jnp.mean((forward(model, x, per_shard=per_shard) - y) ** 2)
-        return jax.lax.pmean(value, "data") if per_shard else value
+        return jax.lax.pmean(value, "data") if per_shard and average else value
 
     return loss
 
 
-def train_step(per_shard: bool) -> Callable[..., jax.Array]:
-    """`(model, optimizer, x, y) -> loss`: one Adam step, updating both in place."""
+def train_step(per_shard: bool, sums_gradients: bool = True) -> Callable[..., jax.Array]:
+    """`(model, optimizer, x, y) -> loss`: one Adam step, updating both in place.
+
+    Per shard and without `sums_gradients` (pmap's semantics, `shard_map`'s
+    `check_vma=False`), the step differentiates its own shard's loss and
+    averages the gradients over `data` itself; the transpose of the forward
+    `psum` counts the replicated loss once per `model` device, so it divides
+    by that axis's size.
+    """
+    if per_shard and not sums_gradients:
+        return _pmap_era_step
     loss = loss_fn(per_shard)
 
     def step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -110,6 +124,13 @@ def train_step(per_shard: bool) -> Callable[..., jax.Array]:
         return value
 
     return step
+
+
+def _pmap_era_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
+    value, grads = nnx.value_and_grad(loss_fn(per_shard=True, average=False))(model, x, y)
+    devices = jax.lax.psum(1, "model")
+    optimizer.update(model, jax.tree.map(lambda g: jax.lax.pmean(g, "data") / devices, grads))
+    return jax.lax.pmean(value, "data")
 
 
 def make_mlp(seed: int = 0) -> tuple[MLP, nnx.Optimizer]:

@@ -42,6 +42,13 @@ def lift(backend: ml.Backend, fn, mesh, in_specs, out_specs=SCALAR, **kwargs):
     return ml.transform(backend, fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
 
 
+def claims(backend: ml.Backend) -> str:
+    """`'name', which claims donation, stages`: how the gradient tests name the backend, so
+    a failure shows the capabilities the kit chose its step by."""
+    claimed = ", ".join(sorted(backend.capabilities)) or "no capabilities"
+    return f"{backend.name!r}, which claims {claimed}"
+
+
 def assert_placed(node, plan: ml.StateSharding, mesh, where: str) -> None:
     wrong = M.misplaced(node, plan, mesh)
     assert not wrong, f"{where}: placed otherwise than the plan says (path, actual, plan): {wrong}"
@@ -123,7 +130,7 @@ class TestConformance:
 
     # -- write-back -----------------------------------------------------------------------------
     def test_train_step_writes_back_parameters_and_optimizer_state(
-        self, meshlift_backend, meshlift_mesh, meshlift_per_shard
+        self, meshlift_backend, meshlift_mesh, meshlift_train_step
     ):
         model, optimizer = M.make_mlp()
         kernel = model.linear1.kernel
@@ -131,13 +138,13 @@ class TestConformance:
         x, y = M.batch()
         step = lift(
             meshlift_backend,
-            M.train_step(meshlift_per_shard),
+            meshlift_train_step,
             meshlift_mesh,
             (plan, plan, P("data"), P("data")),
         )
         losses = [float(step(model, optimizer, x, y)) for _ in range(M.STEPS)]
         ref_losses, ref_arrays = M.reference_training()
-        where = f"after {M.STEPS} steps under {meshlift_backend.name}"
+        where = f"after {M.STEPS} steps under {claims(meshlift_backend)}"
         np.testing.assert_allclose(losses, ref_losses, atol=M.TOLERANCE, err_msg=f"losses {where}")
         assert model.linear1.kernel is kernel, "write-back must update Variables in place"
         assert int(optimizer.step[...]) == M.STEPS, f"optimizer step count {where}"
@@ -147,7 +154,7 @@ class TestConformance:
         assert_arrays_equal(optimizer, expected, where, prefix="optimizer")
 
     def test_parameters_and_optimizer_state_are_sharded_as_the_plan_says(
-        self, meshlift_backend, meshlift_mesh, meshlift_per_shard
+        self, meshlift_backend, meshlift_mesh, meshlift_per_shard, meshlift_train_step
     ):
         model, optimizer = M.make_mlp()
         plan = M.TENSOR_PARALLEL
@@ -165,7 +172,7 @@ class TestConformance:
         assert_placed(model, plan, meshlift_mesh, "model after a forward call")
         step = lift(
             meshlift_backend,
-            M.train_step(meshlift_per_shard),
+            meshlift_train_step,
             meshlift_mesh,
             (plan, plan, P("data"), P("data")),
         )
@@ -400,10 +407,10 @@ class TestConformance:
 
     # -- stages ---------------------------------------------------------------------------------
     def test_same_structure_is_traced_once(
-        self, meshlift_backend, meshlift_mesh, meshlift_per_shard
+        self, meshlift_backend, meshlift_mesh, meshlift_train_step
     ):
         traces = []
-        train = M.train_step(meshlift_per_shard)
+        train = meshlift_train_step
 
         def step(model, optimizer, x, y):
             traces.append(1)
@@ -459,14 +466,14 @@ class TestConformance:
 
     @requires("stages")
     def test_trace_lower_compile_and_call_compiled_with_modules(
-        self, meshlift_backend, meshlift_mesh, meshlift_per_shard
+        self, meshlift_backend, meshlift_mesh, meshlift_train_step
     ):
         model, optimizer = M.make_mlp()
         x, y = M.batch()
         plan = M.TENSOR_PARALLEL
         step = lift(
             meshlift_backend,
-            M.train_step(meshlift_per_shard),
+            meshlift_train_step,
             meshlift_mesh,
             (plan, plan, P("data"), P("data")),
         )
@@ -479,22 +486,23 @@ class TestConformance:
         assert int(optimizer.step[...]) == 0, "tracing, lowering and compiling write nothing"
         loss = compiled(model, optimizer, x, y)
         ref_losses, _ = M.reference_training()
-        np.testing.assert_allclose(float(loss), ref_losses[0], atol=M.TOLERANCE)
+        where = f"calling Compiled under {claims(meshlift_backend)}"
+        np.testing.assert_allclose(float(loss), ref_losses[0], atol=M.TOLERANCE, err_msg=where)
         assert int(optimizer.step[...]) == 1, "calling the Compiled object writes back"
         assert_placed(model, plan, meshlift_mesh, "model after calling Compiled")
         again = step.lower(model, optimizer, x, y).compile()(model, optimizer, x, y)
-        np.testing.assert_allclose(float(again), ref_losses[1], atol=M.TOLERANCE)
+        np.testing.assert_allclose(float(again), ref_losses[1], atol=M.TOLERANCE, err_msg=where)
 
     @requires("donation")
     def test_donated_buffers_are_reused_and_written_back(
-        self, meshlift_backend, meshlift_mesh, meshlift_per_shard
+        self, meshlift_backend, meshlift_mesh, meshlift_train_step
     ):
         model, optimizer = M.make_mlp()
         x, y = M.batch()
         plan = M.TENSOR_PARALLEL
         step = lift(
             meshlift_backend,
-            M.train_step(meshlift_per_shard),
+            meshlift_train_step,
             meshlift_mesh,
             (plan, plan, P("data"), P("data")),
             donate_argnums=(0, 1),
@@ -507,7 +515,9 @@ class TestConformance:
         assert int(optimizer.step[...]) == 2
         _, ref_arrays = M.reference_training()
         expected = {p: v for p, v in ref_arrays.items() if p[0] != "optimizer"}
-        assert_arrays_equal(model, expected, "after 2 donated steps")
+        assert_arrays_equal(
+            model, expected, f"after 2 donated steps under {claims(meshlift_backend)}"
+        )
 
     # -- errors ---------------------------------------------------------------------------------
     @pytest.mark.parametrize(
