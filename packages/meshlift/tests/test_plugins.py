@@ -26,7 +26,12 @@ GOOD = """
     @ml.hookimpl
     def meshlift_register_backends(register):
         register(ml.Backend(name="{name}", stage=lambda fn, spec: jax.jit(fn),
-                            capabilities={{"donate", "jit"}}, description="A test backend."))
+                            capabilities={{"donation", "stages"}}, description="A test backend."))
+"""
+
+
+OTHER = """
+        register(ml.Backend(name="{name}-other", stage=lambda fn, spec: jax.jit(fn)))
 """
 
 
@@ -130,7 +135,7 @@ def test_good_plugin_registers_with_its_distribution(install):
         name="good",
         distribution="meshlift-good",
         version="1.2.3",
-        capabilities=("donate", "jit"),
+        capabilities=("donation", "stages"),
         description="A test backend.",
     )
     assert ml.backends().errors == ()
@@ -327,15 +332,14 @@ def test_disable_by_backend_name(install, monkeypatch):
         ml.get_backend("one")
 
 
-def test_duplicate_backend_name_is_an_error_naming_both(install):
-    install("meshlift-first", "1.0", {"first": GOOD.format(name="same")})
-    install("meshlift-second", "2.0", {"second": GOOD.format(name="same")})
+def test_one_plugin_registering_a_name_twice_registers_nothing(install):
+    twice = GOOD.format(name="same") + "        register(ml.Backend(name='same', stage=jax.jit))\n"
+    install("meshlift-twice", "1.0", {"twice": twice})
 
-    assert names() == ["same"]
+    assert names() == []
     [error] = ml.backends().errors
-    assert "Two backends are named 'same'" in error.error
-    assert "meshlift-first 1.0" in error.error
-    assert "meshlift-second 2.0" in error.error
+    assert error.plugin == "twice"
+    assert error.error.startswith("PluginError: Two backends are named 'same': one from ")
 
 
 def test_unknown_name_lists_installed_and_invents_no_package(install):
@@ -347,12 +351,23 @@ def test_unknown_name_lists_installed_and_invents_no_package(install):
     assert isinstance(info.value, plugins.BackendNotFoundError)
     first, *listing = str(info.value).splitlines()
     assert first == (
-        "No meshlift backend named 'not_published'. No installed plugin provides it; "
-        "`meshlift backends` lists what is installed."
+        "No meshlift backend named 'not_published'. No installed plugin provides it, and 1 "
+        "failed to load (below): it may be one of them."
     )
     assert "pip install" not in str(info.value)
-    assert "  good (meshlift-good 1.2.3) [donate, jit] A test backend." in listing
+    assert "  good (meshlift-good 1.2.3) [donation, stages] A test backend." in listing
     assert any("broken (meshlift-broken 0.3): ModuleNotFoundError" in line for line in listing)
+
+
+def test_a_name_whose_plugin_failed_to_load_shows_the_error_first(install):
+    install("meshlift-broken", "0.3", {"broken": "import meshlift_no_such_module\n"})
+
+    with pytest.raises(plugins.BackendNotFoundError) as info:
+        ml.transform("broken", lambda x: x)
+    assert str(info.value).splitlines()[0] == (
+        "No meshlift backend named 'broken'. Its plugin 'broken' (meshlift-broken 0.3) failed "
+        "to load: ModuleNotFoundError: No module named 'meshlift_no_such_module'"
+    )
 
 
 @pytest.mark.parametrize("typo", ["shardmap", "shard-map", "Shard_Map", "shard_mapp"])
@@ -382,7 +397,7 @@ def test_missing_first_party_name_says_which_distribution_to_install(install, mo
     )
     assert listing[:2] == [
         "Installed backends:",
-        "  good (meshlift-good 1.0) [donate, jit] A test backend.",
+        "  good (meshlift-good 1.0) [donation, stages] A test backend.",
     ]
 
 
@@ -573,20 +588,40 @@ def test_first_party_name_cannot_be_registered_in_process(install, monkeypatch):
     assert ml.get_backend("shard_map") is own
 
 
-def test_clash_between_third_parties_names_both_and_others_still_load(install):
-    install("meshlift-first", "1.0", {"first": GOOD.format(name="same")})
-    install("meshlift-second", "2.0", {"second": GOOD.format(name="same")})
+@pytest.mark.parametrize("order", ["first-installed-first", "second-installed-first"])
+def test_clash_between_third_parties_uses_neither_whatever_the_order(install, order):
+    claims = [("meshlift-first", "1.0", "first"), ("meshlift-second", "2.0", "second")]
+    for dist, version, plugin in claims if order == "first-installed-first" else claims[::-1]:
+        install(
+            dist,
+            version,
+            {plugin: GOOD.format(name="same") + OTHER.format(name=plugin).lstrip("\n")},
+        )
     install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
 
-    assert names() == ["same", "good"]
-    assert ml.get_backend("same").distribution == "meshlift-first"
-    [error] = ml.backends().errors
-    assert error.plugin == "second"
-    assert error.error == (
-        "PluginError: Two backends are named 'same': one from meshlift-first 1.0, one from "
-        "meshlift-second 2.0. Uninstall one, or skip one with "
-        "MESHLIFT_DISABLE_PLUGINS=<its entry point name>."
+    message = (
+        "The backend name 'same' is registered by meshlift-first 1.0 (plugin 'first') and by "
+        "meshlift-second 2.0 (plugin 'second'), so meshlift uses neither rather than pick one "
+        "by install order. Uninstall one, or disable one: MESHLIFT_DISABLE_PLUGINS=second."
     )
+    assert sorted(names()) == ["first-other", "good", "second-other"]
+    assert ml.backends().errors == (
+        plugins.LoadError("first", "meshlift-first", "1.0", f"PluginError: {message}"),
+        plugins.LoadError("second", "meshlift-second", "2.0", f"PluginError: {message}"),
+    )
+    with pytest.raises(plugins.PluginError) as info:
+        ml.get_backend("same")
+    assert str(info.value) == message
+
+
+def test_disabling_one_side_of_a_clash_gives_the_name_to_the_other(install, monkeypatch):
+    install("meshlift-first", "1.0", {"first": GOOD.format(name="same")})
+    install("meshlift-second", "2.0", {"second": GOOD.format(name="same")})
+    monkeypatch.setenv(plugins.DISABLE_ENV, os.environ[plugins.DISABLE_ENV] + ",second")
+    plugins.reset_registry()
+
+    assert ml.get_backend("same").distribution == "meshlift-first"
+    assert ml.backends().errors == ()
 
 
 def test_front_ends_reach_their_own_distributions_backend(install, monkeypatch):
@@ -620,7 +655,7 @@ def test_front_end_without_its_distribution_says_what_to_install(install, monkey
     )
     assert listing == [
         "Installed backends:",
-        "  good (meshlift-good 1.0) [donate, jit] A test backend.",
+        "  good (meshlift-good 1.0) [donation, stages] A test backend.",
     ]
 
 
@@ -656,3 +691,33 @@ def test_front_end_of_a_backend_without_one(install, monkeypatch):
         "The 'pjit' backend (meshlift-pjit 0.1.0) has no front end, so ml.pjit cannot call it. "
         "Reinstall meshlift-pjit: pip install --force-reinstall meshlift-pjit"
     )
+
+
+WITH_FRONT_END = """
+    import jax
+    import meshlift as ml
+
+    def pmap(fun, axis_name=None):
+        return ml.transform("toy-pmap", fun)
+
+    @ml.hookimpl
+    def meshlift_register_backends(register):
+        register(ml.Backend(name="toy-pmap", stage=lambda fn, spec: jax.jit(fn), frontend=pmap))
+"""
+
+
+def test_a_third_party_front_end_is_reachable_by_its_backends_name(install):
+    install("meshlift-toy-pmap", "1.0", {"toy": WITH_FRONT_END})
+    install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})
+
+    front_end = ml.get_frontend("toy-pmap")
+    assert front_end is sys.modules["toy_plugin"].pmap
+    assert float(front_end(lambda x: x + 1)(jnp.zeros(()))) == 1.0
+    with pytest.raises(plugins.PluginError) as info:
+        ml.get_frontend("good")
+    assert str(info.value) == (
+        "The 'good' backend (meshlift-good 1.0) has no front end: call it as "
+        "ml.transform('good', fun, mesh=..., in_specs=..., out_specs=...)."
+    )
+    with pytest.raises(plugins.BackendNotFoundError, match="did you mean 'toy-pmap'"):
+        ml.get_frontend("toy_pmapp")

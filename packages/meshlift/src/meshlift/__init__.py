@@ -60,6 +60,7 @@ _LAZY: dict[str, str] = {
     "BackendNotFoundError": "meshlift.plugins",
     "backends": "meshlift.plugins",
     "get_backend": "meshlift.plugins",
+    "get_frontend": "meshlift.plugins",
     "StateSharding": "meshlift.sharding",
     "path_endswith": "meshlift.sharding",
     "Compiled": "meshlift.stages",
@@ -94,7 +95,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         with_partitioning,
     )
     from meshlift.paths import PlanError, StructureChangedError, TraceLeakError
-    from meshlift.plugins import BackendNotFoundError, backends, get_backend
+    from meshlift.plugins import BackendNotFoundError, backends, get_backend, get_frontend
     from meshlift.sharding import StateSharding, path_endswith
     from meshlift.stages import Compiled, Lowered, Traced
 else:  # hidden from type checkers, so that a misspelt `ml.jti` is still an error there
@@ -223,6 +224,7 @@ __all__ = [
     "current_mesh",
     "explain",
     "get_backend",
+    "get_frontend",
     "get_partition_spec",
     "get_sharding",
     "hookimpl",

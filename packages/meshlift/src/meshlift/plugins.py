@@ -202,11 +202,20 @@ class _Registry:
     backends: dict[str, Backend] = attrs.field(factory=dict)
     errors: list[LoadError] = attrs.field(factory=list)
     origins: dict[str, str] = attrs.field(factory=dict)  # plugin name -> where it came from
+    registrants: dict[str, str | None] = attrs.field(factory=dict)  # backend -> its plugin
+    # a backend name two plugins register -> each (backend, plugin): neither is used
+    clashes: dict[str, list[tuple[Backend, str]]] = attrs.field(factory=dict)
 
     def installed(self) -> InstalledBackends:
+        clashes = [
+            LoadError(plugin, backend.distribution, backend.version, f"PluginError: {message}")
+            for name, claims in self.clashes.items()
+            for message in [_clash_message(name, claims)]
+            for backend, plugin in sorted(claims, key=_claim_order)
+        ]
         return InstalledBackends(
             backends=tuple(BackendInfo.from_backend(b) for b in self.backends.values()),
-            errors=tuple(self.errors),
+            errors=(*self.errors, *clashes),
         )
 
 
@@ -250,22 +259,33 @@ def get_backend(backend: str | Backend) -> Backend:
     registry = _get_registry()
     if backend in registry.backends:
         return registry.backends[backend]
+    if backend in registry.clashes:
+        raise PluginError(_clash_message(backend, registry.clashes[backend]))
     raise BackendNotFoundError(_not_found_message(backend, registry))
 
 
 def get_frontend(name: str) -> Callable[..., Any]:
-    """The user-facing wrapper of a first-party backend: what `ml.jit` calls.
+    """The user-facing wrapper of an installed backend, with its transform's own argument
+    names: what `ml.jit` calls for "jit", or a third party's (`"pmap"`).
 
-    `name` is one of `FRONT_ENDS`. Only its distribution (`first_party_backends`)
-    can register the name, so the wrapper returned is always its own.
+    The names of `FRONT_ENDS` only their own distributions can register
+    (`first_party_backends`), so `ml.jit` always reaches `meshlift-jit`'s.
 
     Example:
 
     ```python
-    double = ml.plugins.get_frontend("jit")(lambda x: 2 * x)  # same as ml.jit
+    double = ml.get_frontend("jit")(lambda x: 2 * x)  # same as ml.jit
     assert double(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
     ```
     """
+    if name not in FRONT_ENDS:
+        third_party = get_backend(name)
+        if third_party.frontend is None:
+            raise PluginError(
+                f"The {name!r} backend ({third_party.origin}) has no front end: call it as "
+                f"ml.transform({name!r}, fun, mesh=..., in_specs=..., out_specs=...)."
+            )
+        return third_party.frontend
     distribution = first_party_backends().get(name, f"the distribution of ml.{name}")
     registry = _get_registry()
     backend = registry.backends.get(name)
@@ -277,7 +297,7 @@ def get_frontend(name: str) -> Callable[..., Any]:
         )
     if backend.frontend is None:
         raise PluginError(
-            f"The {name!r} backend ({_origin(backend.distribution, backend.version)}) has no "
+            f"The {name!r} backend ({backend.origin}) has no "
             f"front end, so ml.{name} cannot call it. Reinstall {distribution}: "
             f"pip install --force-reinstall {distribution}"
         )
@@ -398,7 +418,12 @@ def _add_plugin(
     except pluggy.PluginValidationError:
         pm.unregister(plugin)
         raise
-    staged = attrs.evolve(registry, backends=dict(registry.backends))
+    staged = attrs.evolve(
+        registry,
+        backends=dict(registry.backends),
+        registrants=dict(registry.registrants),
+        clashes={name: list(claims) for name, claims in registry.clashes.items()},
+    )
     others = [p for p in pm.get_plugins() if p is not plugin]
     plugin_name = pm.get_name(plugin)
     try:
@@ -408,7 +433,8 @@ def _add_plugin(
     except BaseException:
         pm.unregister(plugin)
         raise
-    registry.backends = staged.backends
+    registry.backends, registry.registrants = staged.backends, staged.registrants
+    registry.clashes = staged.clashes
 
 
 def _check_hooks(pm: pluggy.PluginManager, plugin: object) -> None:
@@ -476,7 +502,17 @@ def _add_backend(
             else backend.version,
         )
     _check_first_party_name(backend, distribution, plugin)
-    existing = registry.backends.get(backend.name)
+    name = backend.name
+    rival = registry.registrants.get(name)
+    if plugin is not None and name in registry.clashes:
+        registry.clashes[name].append((backend, plugin))
+        return
+    existing = registry.backends.get(name)
+    if existing is not None and plugin is not None and rival is not None and rival != plugin:
+        # Two plugins, one name: neither is used, whichever loaded first.
+        registry.clashes[name] = [(existing, rival), (backend, plugin)]
+        del registry.backends[name], registry.registrants[name]
+        return
     if existing is not None:
         raise PluginError(
             f"Two backends are named {backend.name!r}: one from "
@@ -484,7 +520,25 @@ def _add_backend(
             f"{_origin(backend.distribution, backend.version)}. Uninstall one, or skip one "
             f"with {DISABLE_ENV}=<its entry point name>."
         )
-    registry.backends[backend.name] = backend
+    registry.backends[name] = backend
+    registry.registrants[name] = plugin
+
+
+def _clash_message(name: str, claims: list[tuple[Backend, str]]) -> str:
+    """Why `name` is unusable: the plugins that register it, in an order that does not
+    depend on which loaded first."""
+    ordered = sorted(claims, key=_claim_order)
+    each = [f"{_origin(b.distribution, b.version)} (plugin {p!r})" for b, p in ordered]
+    return (
+        f"The backend name {name!r} is registered by {', '.join(each[:-1])} and by "
+        f"{each[-1]}, so meshlift uses neither rather than pick one by install order. "
+        f"Uninstall one, or disable one: {DISABLE_ENV}={ordered[-1][1]}."
+    )
+
+
+def _claim_order(claim: tuple[Backend, str]) -> tuple[str, str]:
+    backend, plugin = claim
+    return _origin(backend.distribution, backend.version), plugin
 
 
 def _check_first_party_name(
@@ -534,6 +588,15 @@ def _how_to_get(name: str, registry: _Registry) -> str:
         matches = _close_matches(name, registry.backends)
         if matches:
             return f"; did you mean {' or '.join(map(repr, matches))}?"
+        for e in registry.errors:
+            if _fold(e.plugin) == _fold(name):
+                origin = _origin(e.distribution, e.version)
+                return f". Its plugin {e.plugin!r} ({origin}) failed to load: {e.error}"
+        if registry.errors:
+            return (
+                f". No installed plugin provides it, and {len(registry.errors)} failed to "
+                f"load (below): it may be one of them."
+            )
         return ". No installed plugin provides it; `meshlift backends` lists what is installed."
     if any(_canonical(e.distribution or "") == distribution for e in registry.errors):
         return f". {it} failed to load (error below)."
