@@ -1,5 +1,8 @@
-"""Every python block in docs/ runs; blocks of one page share a namespace, in order."""
+"""Every python block in docs/ runs, blocks of one page sharing a namespace, in order; a
+block the page follows with "prints" and a text block prints exactly that."""
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -19,8 +22,12 @@ PAGES = sorted(
 )
 
 
-def blocks(page: Path) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+BLOCK = re.compile(r"^```python\n(.*?)^```\n(?:\nprints\n\n```text\n(.*?)^```)?", re.S | re.M)
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    """Each python block of `page` and what the page says it prints ("" if nothing)."""
+    return BLOCK.findall(page.read_text())
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
@@ -28,8 +35,11 @@ def test_page_runs(page):
     code = blocks(page)
     assert code, f"{page} has no python blocks to run"
     namespace: dict = {"__name__": f"__docs_{page.stem}__"}
-    for i, block in enumerate(code):
-        exec(compile(block, f"{page}:block{i}", "exec"), namespace)
+    for i, (block, printed) in enumerate(code):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            exec(compile(block, f"{page}:block{i}", "exec"), namespace)
+        if printed:
+            assert out.getvalue() == printed, f"block {i} of {page.name} prints something else"
     _settle_runtime_tokens()
 
 
