@@ -198,35 +198,40 @@ def multiprocess(session: nox.Session) -> None:
     run_pytest(session, "integration_tests/test_multiprocess.py")
 
 
-# A backend published outside meshlift: meshlift neither imports nor lists it.
-THIRD_PARTY = "docs/examples/meshlift-remat"
+# Backends published outside meshlift, as a third party writes them: meshlift neither
+# imports nor lists them. `remat` is jit-shaped; `pmap` runs per device, and its own tests
+# compare it with ml.jit and ml.shard_map (the code it migrates to), so they need those.
+THIRD_PARTY = {
+    "remat": ("docs/examples/meshlift-remat", []),
+    "pmap": ("docs/examples/meshlift-pmap", ["jit", "shard-map"]),
+}
 
 
 @nox.session(name="third-party", tags=["third-party"])
-def third_party(session: nox.Session) -> None:
-    """The example third-party backend alone with the core: listed, conformant, integrated."""
+@nox.parametrize("example", list(THIRD_PARTY))
+def third_party(session: nox.Session, example: str) -> None:
+    """An example third-party backend alone with the core: listed, conformant, integrated;
+    then its own tests."""
+    path, compared_with = THIRD_PARTY[example]
     session.install(
-        "-c", "constraints.txt", "-e", PACKAGES["core"], "-e", THIRD_PARTY, "pytest", "hypothesis"
+        "-c", "constraints.txt", "-e", PACKAGES["core"], "-e", path, "pytest", "hypothesis"
     )
     listing = json.loads(session.run("meshlift", "backends", "--json", silent=True, stderr=None))
     names = [backend["name"] for backend in listing["backends"]]
-    if names != ["remat"] or listing["errors"]:
+    if names != [example] or listing["errors"]:
         session.error(
-            f"`meshlift backends` should list only the example backend `remat`, with no "
+            f"`meshlift backends` should list only the example backend `{example}`, with no "
             f"load errors; it lists {names}, errors {listing['errors']}"
         )
-    # The conformance kit against everything installed: here, only `remat`.
+    # The conformance kit and the integration matrix against everything installed: the
+    # example alone.
     session.run(
         "pytest", "-p", "meshlift.testing", "--pyargs", "meshlift.testing.suite", env=XLA_ENV
     )
-    # The example's own tests, then the integration matrix with it as the only backend.
-    session.run(
-        "pytest",
-        f"{THIRD_PARTY}/tests",
-        "integration_tests/test_matrix.py",
-        *session.posargs,
-        env=XLA_ENV,
-    )
+    session.run("pytest", "integration_tests/test_matrix.py", *session.posargs, env=XLA_ENV)
+    for backend in compared_with:
+        session.install("-c", "constraints.txt", "-e", PACKAGES[backend])
+    session.run("pytest", f"{path}/tests", *session.posargs, env=XLA_ENV)
 
 
 @nox.session(tags=["wheels"])

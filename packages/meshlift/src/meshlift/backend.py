@@ -79,11 +79,13 @@ def _known(backend: Backend, attribute: Any, capabilities: frozenset[str]) -> No
 class StageSpec:
     """Everything a backend needs to stage a pure function.
 
-    `in_specs` has one entry per positional argument of the pure function,
-    each a pytree prefix of that argument whose leaves are
-    `jax.sharding.NamedSharding`, `PartitionSpec` or `None`
-    (unspecified). `out_specs` is a pytree prefix of the output in the same
-    terms. Bare `PartitionSpec` leaves only appear when `mesh` is set.
+    `in_specs` has one entry per argument of the pure function (four tuples:
+    Variables' arrays and other leaves kept, then those donated), each a tuple
+    with one `jax.sharding.NamedSharding` per array, or `None` where nothing
+    was specified. `out_specs` is a pytree prefix of the function's four
+    outputs in the same terms. `mesh` is the call's mesh (an `AbstractMesh`
+    where the user gave one) or `None`; bare `PartitionSpec`s are placed on it,
+    and a `NamedSharding` the user gave keeps its own.
     """
 
     in_specs: tuple[Any, ...]
