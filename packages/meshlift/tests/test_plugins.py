@@ -601,8 +601,8 @@ def test_clash_between_third_parties_uses_neither_whatever_the_order(install, or
 
     message = (
         "The backend name 'same' is registered by meshlift-first 1.0 (plugin 'first') and by "
-        "meshlift-second 2.0 (plugin 'second'), so meshlift uses neither rather than pick one "
-        "by install order. Uninstall one, or disable one: MESHLIFT_DISABLE_PLUGINS=second."
+        "meshlift-second 2.0 (plugin 'second'), so meshlift uses none of them rather than pick "
+        "one by install order. Uninstall one, or disable one: MESHLIFT_DISABLE_PLUGINS=second."
     )
     assert sorted(names()) == ["first-other", "good", "second-other"]
     assert ml.backends().errors == (

@@ -531,7 +531,7 @@ def _clash_message(name: str, claims: list[tuple[Backend, str]]) -> str:
     each = [f"{_origin(b.distribution, b.version)} (plugin {p!r})" for b, p in ordered]
     return (
         f"The backend name {name!r} is registered by {', '.join(each[:-1])} and by "
-        f"{each[-1]}, so meshlift uses neither rather than pick one by install order. "
+        f"{each[-1]}, so meshlift uses none of them rather than pick one by install order. "
         f"Uninstall one, or disable one: {DISABLE_ENV}={ordered[-1][1]}."
     )
 
