@@ -153,3 +153,24 @@ def test_a_named_sharding_on_another_mesh_is_placed_as_a_call_places_it():
     assert kernel.bytes_per_device == placed.addressable_shards[0].data.nbytes
     assert report.warnings[0] == "`kernel` is placed on its NamedSharding's mesh, {'x': 8}"
     assert report.layout("kernel").grid() == [[str(i)] for i in range(8)]
+
+
+def test_a_model_with_an_rng_stream_and_integer_state_is_explained():
+    """Every dtype a Variable holds: an RNG key (JAX's extended dtype), its counter, ints."""
+
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+            self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    model = Noisy(nnx.Rngs(0, dropout=1))
+    report = ml.explain(model, ml.StateSharding({...: P()}), MESH)
+    rows = {r.path: r for r in report.rows}
+    key = model.dropout.rngs.key[...]
+    assert (rows["dropout.rngs.key"].dtype, rows["dropout.rngs.key"].bytes) == (
+        str(key.dtype),
+        key.dtype.itemsize,
+    )
+    assert (rows["calls"].dtype, rows["calls"].bytes) == ("int32", 4)
+    assert not report.problems

@@ -317,7 +317,8 @@ def _needs_rules(item: Any) -> str:
 def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None) -> Row:
     spec, mesh_shape, problems = placed.spec, placed.mesh_shape, placed.problems
     shape = item.shape
-    itemsize = np.dtype(item.value.dtype).itemsize
+    dtype = _dtype(item.value)
+    itemsize = dtype.itemsize
     total = math.prod(shape) * itemsize
     per_dim = [1] * len(shape)
     shards = 1
@@ -331,7 +332,7 @@ def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None)
     return Row(
         path,
         shape,
-        str(np.dtype(item.value.dtype)),
+        str(dtype),
         spec,
         shards,
         total,
@@ -339,6 +340,13 @@ def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None)
         tuple(dict.fromkeys(problems)),
         own_mesh,
     )
+
+
+def _dtype(value: Any) -> Any:
+    """`value`'s dtype, JAX's own (`key<fry>` for an RNG key) included; a Python number's
+    as NumPy gives it."""
+    dtype = getattr(value, "dtype", None)
+    return np.asarray(value).dtype if dtype is None else dtype
 
 
 def _warnings(
