@@ -546,3 +546,37 @@ def test_hijax_variables_are_refused_by_path_and_left_alone():
     np.testing.assert_array_equal(model.p[...], jnp.ones((3,)))
     with pytest.raises(ml.PlanError, match=r"`v` is a hijax Variable"):
         ml.jit(lambda v: v[...] * 2)(model.p)
+
+
+def test_flaxs_own_state_sharding_in_in_shardings_places_as_under_nnx_jit(mesh):
+    """`nnx.StateSharding`, flax's plan object, where `nnx.jit` takes it (issue 27)."""
+
+    def step(model, x):
+        model.bias[...] += 1
+        return model(x)
+
+    results = {}
+    for name, transform in (("nnx.jit", graph_mode_jit), ("ml.jit", ml.jit)):
+        model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+        plan = nnx.StateSharding(
+            {
+                nnx.PathContains("kernel"): NamedSharding(mesh, P(None, "model")),
+                ...: NamedSharding(mesh, P()),
+            }
+        )
+        out = transform(step, in_shardings=(plan, NamedSharding(mesh, P("data"))))(
+            model, jnp.ones((4, 8))
+        )
+        results[name] = (out, model)
+    (ref_out, ref), (out, model) = results["nnx.jit"], results["ml.jit"]
+    np.testing.assert_allclose(out, ref_out)
+    for got, want in ((model.kernel, ref.kernel), (model.bias, ref.bias)):
+        assert got[...].sharding.spec == want[...].sharding.spec
+        np.testing.assert_allclose(got[...], want[...])
+    assert model.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_explain_takes_flaxs_state_sharding(mesh):
+    plan = nnx.StateSharding({nnx.PathContains("kernel"): P(None, "model"), ...: P()})
+    report = ml.explain(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), plan, mesh)
+    assert {r.path: r.spec for r in report.rows} == {"bias": P(), "kernel": P(None, "model")}

@@ -44,7 +44,7 @@ from meshlift.blocks import Blocks, mesh_of_devices, spec_entry
 from meshlift.mesh import current_mesh
 from meshlift.metadata import annotated_leaves
 from meshlift.paths import PlanError, format_path
-from meshlift.sharding import Spec, StateSharding
+from meshlift.sharding import Spec, StateSharding, as_plan
 from meshlift.specs import spec_axes
 
 if TYPE_CHECKING:
@@ -373,19 +373,20 @@ def _warnings(
 
 def _plan_and_rules(plan_or_rules: Any) -> tuple[StateSharding | None, Any]:
     """Split the argument into a plan, or rules for the annotations (None: the context's)."""
-    p = plan_or_rules
+    p = as_plan(plan_or_rules)
     if p is None:
         return None, None
     if isinstance(p, StateSharding):
         return p, None
-    if p is None or isinstance(p, PartitionSpec | Sharding):
+    if isinstance(p, PartitionSpec | Sharding):
         return StateSharding({...: p}), None
     if isinstance(p, Mapping):
         return StateSharding.from_state(p), None
     if isinstance(p, Sequence) and not isinstance(p, str):
         return None, p  # axis rules: checked by the first lookup
     raise TypeError(
-        f"explain takes a StateSharding, a mapping of specs, a PartitionSpec or a list of axis "
+        f"explain takes a StateSharding (meshlift's or flax's), a mapping of specs, a "
+        f"PartitionSpec or a list of axis "
         f"rules; got {type(p).__name__}: {p!r}"
     )
 

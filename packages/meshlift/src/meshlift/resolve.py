@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from meshlift.graph import is_graph_leaf, variable_paths
 from meshlift.paths import Path, PlanError, format_path, key_name
-from meshlift.sharding import Spec, StateSharding, is_spec, value_shape
+from meshlift.sharding import Spec, StateSharding, as_plan, is_spec, value_shape
 from meshlift.specs import spec_problems
 
 
@@ -114,7 +114,7 @@ def broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = "
                 f"{what} at `{path or '<root>'}` is a {type(prefix).__name__} but the value "
                 f"there is a {type(tree).__name__}; use a PartitionSpec or a StateSharding"
             )
-        return [prefix] * len(jax.tree.leaves(tree, is_leaf=is_graph_leaf))
+        return [as_plan(prefix)] * len(jax.tree.leaves(tree, is_leaf=is_graph_leaf))
     if isinstance(prefix, tuple | list) and isinstance(tree, tuple | list):
         if len(prefix) == len(tree):
             return [

@@ -95,7 +95,13 @@ class _AnnotatedPath(path_endswith):
 
 def is_spec(x: Any) -> bool:
     """True for what can stand at a leaf of a sharding prefix tree."""
-    return x is None or isinstance(x, PartitionSpec | Sharding | StateSharding)
+    return x is None or isinstance(x, PartitionSpec | Sharding | StateSharding | nnx.StateSharding)
+
+
+def as_plan(x: Any) -> Any:
+    """flax's `nnx.StateSharding` as meshlift's `StateSharding` (the same ordered filter ->
+    sharding pairs); anything else as it is."""
+    return StateSharding(x) if isinstance(x, nnx.StateSharding) else x
 
 
 def _shaped_like_a_model(rules: Any) -> bool:
@@ -133,6 +139,9 @@ class StateSharding:
     string, a `(path, variable) -> bool` predicate, `nnx.All`/`Any`/`Not`),
     `ml.path_endswith(...)`, or `...` for everything. Specs are
     `PartitionSpec`, `NamedSharding` or `None` (left to the compiler).
+    flax's `nnx.StateSharding` is taken wherever this is (`in_shardings`,
+    `in_specs`, `ml.explain`), as `nnx.jit` takes it; `StateSharding(flax_plan)`
+    converts one.
 
     Example:
 
@@ -150,8 +159,10 @@ class StateSharding:
     plan with `...: P()` to replicate the rest.
     """
 
-    def __init__(self, rules: Mapping[Any, Any] | Iterable[tuple[Any, Spec]]):
-        if _shaped_like_a_model(rules):  # flax's StateSharding(nnx.State({...specs...}))
+    def __init__(self, rules: Mapping[Any, Any] | Iterable[tuple[Any, Spec]] | nnx.StateSharding):
+        if isinstance(rules, nnx.StateSharding):  # flax's own object: the same pairs
+            rules = zip(rules.filters, rules.shardings, strict=True)
+        elif _shaped_like_a_model(rules):  # flax's StateSharding(nnx.State({...specs...}))
             rules = _path_rules(rules)  # type: ignore[arg-type]
         pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
         self.rules: tuple[tuple[Any, Callable[..., bool], Spec], ...] = tuple(
