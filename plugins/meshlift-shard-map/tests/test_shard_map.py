@@ -531,11 +531,19 @@ def test_one_tensor_parallel_plan_with_data_manual_and_model_automatic(mesh):
 # -- gradient semantics: check_vma decides which step is right (capability vma-gradients) ----
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-def test_the_kits_step_for_each_gradient_semantics_trains_as_the_reference(mesh, check_vma):
+@pytest.mark.parametrize(
+    ("check_vma", "sums_gradients", "trains_as_the_reference"),
+    [(True, True, True), (False, False, True), (False, True, False)],
+    ids=["vma-summing-step", "pmap-era-step", "summing-step-without-vma-is-wrong"],
+)
+def test_the_kits_step_for_each_gradient_semantics(
+    mesh, check_vma, sums_gradients, trains_as_the_reference
+):
+    """The kit picks its per-shard step by capability vma-gradients: each step trains as the
+    reference under its own semantics, and the summing one is wrong without vma checks."""
     model, optimizer = M.make_mlp()
     step = ml.shard_map(
-        M.train_step(per_shard=True, sums_gradients=check_vma),
+        M.train_step(per_shard=True, sums_gradients=sums_gradients),
         mesh=mesh,
         in_specs=(M.TENSOR_PARALLEL, M.TENSOR_PARALLEL, P("data"), P("data")),
         out_specs=P(),
@@ -544,21 +552,9 @@ def test_the_kits_step_for_each_gradient_semantics_trains_as_the_reference(mesh,
     x, y = M.batch()
     losses = [float(step(model, optimizer, x, y)) for _ in range(M.STEPS)]
     ref_losses, ref_arrays = M.reference_training()
+    if not trains_as_the_reference:
+        assert abs(losses[1] - ref_losses[1]) > 1e-3
+        return
     np.testing.assert_allclose(losses, ref_losses, atol=M.TOLERANCE)
     for path, value in M.flat_arrays(model).items():
         np.testing.assert_allclose(value, ref_arrays[path], atol=M.TOLERANCE, err_msg=str(path))
-
-
-def test_the_summing_step_without_vma_checks_gets_a_wrong_gradient(mesh):
-    """Why the kit needs the capability: the same step is wrong under the other semantics."""
-    model, optimizer = M.make_mlp()
-    step = ml.shard_map(
-        M.train_step(per_shard=True),
-        mesh=mesh,
-        in_specs=(M.TENSOR_PARALLEL, M.TENSOR_PARALLEL, P("data"), P("data")),
-        out_specs=P(),
-        check_vma=False,
-    )
-    x, y = M.batch()
-    losses = [float(step(model, optimizer, x, y)) for _ in range(M.STEPS)]
-    assert abs(losses[1] - M.reference_training()[0][1]) > 1e-3
