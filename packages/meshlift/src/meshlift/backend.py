@@ -236,6 +236,12 @@ class Backend:
     def origin(self) -> str:
         """Where it comes from, as errors say it: `meshlift-jit 0.1.0`, or
         `registered in this process`."""
-        if self.distribution is None:
-            return "registered in this process"
-        return f"{self.distribution} {self.version}"
+        return origin(self.distribution, self.version)
+
+
+def origin(distribution: str | None, version: str | None) -> str:
+    """A backend's or plugin's distribution and version as messages say them:
+    `meshlift-jit 0.1.0`, or `registered in this process` without a distribution."""
+    if distribution is None:
+        return "registered in this process"
+    return f"{distribution} {version}"

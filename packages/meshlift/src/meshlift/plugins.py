@@ -13,8 +13,8 @@ install (`pip install 'meshlift[jit]'`; `first_party_backends()` reads them
 from the core's metadata): `ml.jit` and friends always run their own
 distribution's backend. Another plugin that registers one of these names is
 recorded as a load error, whatever the load order, and its other backends are
-not added. Two other plugins that register the same name: the second is
-recorded as a load error naming both distributions.
+not added. Two other plugins that register the same name: neither is used,
+whatever the load order; each is recorded as a load error naming both.
 
 Asking for a name that is not installed raises `BackendNotFoundError`, which
 lists what is installed and what failed to load, and says what to do: which
@@ -44,7 +44,7 @@ import functools
 import inspect
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from importlib.metadata import Distribution, entry_points
 from types import MappingProxyType
@@ -54,7 +54,8 @@ import attrs
 import pluggy
 
 from meshlift import hookspecs
-from meshlift.backend import Backend
+from meshlift.backend import Backend, origin
+from meshlift.installed import BackendInfo, InstalledBackends, LoadError
 
 __all__ = [
     "DISABLE_ENV",
@@ -120,79 +121,6 @@ class BackendNotFoundError(LookupError):
 
     The message lists the installed backends and the distribution to install.
     """
-
-
-@attrs.frozen
-class BackendInfo:
-    """What `ml.backends()` reports about one installed backend."""
-
-    name: str
-    distribution: str | None
-    version: str
-    capabilities: tuple[str, ...]
-    description: str
-
-    @classmethod
-    def from_backend(cls, backend: Backend) -> BackendInfo:
-        return cls(
-            name=backend.name,
-            distribution=backend.distribution,
-            version=backend.version,
-            capabilities=tuple(sorted(backend.capabilities)),
-            description=backend.description,
-        )
-
-    def __str__(self) -> str:
-        caps = ", ".join(self.capabilities) or "-"
-        return (
-            f"{self.name} ({_origin(self.distribution, self.version)}) [{caps}] {self.description}"
-        )
-
-
-@attrs.frozen
-class LoadError:
-    """A plugin that failed to load: its entry point, distribution and error."""
-
-    plugin: str
-    distribution: str | None
-    version: str | None
-    error: str
-
-    def __str__(self) -> str:
-        return f"{self.plugin} ({_origin(self.distribution, self.version)}): {self.error}"
-
-
-@attrs.frozen
-class InstalledBackends:
-    """The installed backends and the plugins that failed to load.
-
-    Iterates over the backends; `print()` it for a summary.
-
-    Example:
-
-    ```python
-    installed = ml.backends()
-    assert sorted(b.name for b in installed) == ["jit", "pjit", "shard_map"]  # the in-repo three
-    assert installed.errors == ()
-    ```
-    """
-
-    backends: tuple[BackendInfo, ...]
-    errors: tuple[LoadError, ...]
-
-    def __iter__(self) -> Iterator[BackendInfo]:
-        return iter(self.backends)
-
-    def __len__(self) -> int:
-        return len(self.backends)
-
-    def __str__(self) -> str:
-        lines = ["Installed backends:"]
-        lines += [f"  {b}" for b in self.backends] or ["  none"]
-        if self.errors:
-            lines.append("Plugins that failed to load:")
-            lines += [f"  {e}" for e in self.errors]
-        return "\n".join(lines)
 
 
 @attrs.define
@@ -390,7 +318,7 @@ def _load() -> _Registry:
             if strict:
                 error.add_note(
                     f"Raised while loading meshlift plugin {record.plugin!r} "
-                    f"({_origin(record.distribution, record.version)}). Unset {STRICT_ENV} "
+                    f"({origin(record.distribution, record.version)}). Unset {STRICT_ENV} "
                     f"to skip broken plugins, or set {DISABLE_ENV}={record.plugin}."
                 )
                 raise
@@ -403,16 +331,16 @@ def _add_plugin(
 ) -> None:
     """Register `plugin` and call its hook: all of its backends are added, or none."""
     pm = registry.pm
-    origin = _origin(*(distribution.name, distribution.version) if distribution else (None, None))
+    source = origin(*(distribution.name, distribution.version) if distribution else (None, None))
     if name is not None and pm.get_plugin(name) is not None:
-        first = registry.origins.get(name, origin)
+        first = registry.origins.get(name, source)
         raise PluginError(
-            f"Two plugins are named {name!r}: one from {first}, one from {origin}. meshlift "
+            f"Two plugins are named {name!r}: one from {first}, one from {source}. meshlift "
             f"loads one plugin per name: uninstall one, or rename its entry point."
         )
     if pm.register(plugin, name=name) is None:  # blocked by MESHLIFT_DISABLE_PLUGINS
         return
-    registry.origins[pm.get_name(plugin) or ""] = origin
+    registry.origins[pm.get_name(plugin) or ""] = source
     try:
         _check_hooks(pm, plugin)
     except pluggy.PluginValidationError:
@@ -515,10 +443,9 @@ def _add_backend(
         return
     if existing is not None:
         raise PluginError(
-            f"Two backends are named {backend.name!r}: one from "
-            f"{_origin(existing.distribution, existing.version)}, one from "
-            f"{_origin(backend.distribution, backend.version)}. Uninstall one, or skip one "
-            f"with {DISABLE_ENV}=<its entry point name>."
+            f"Two backends are named {backend.name!r}: one from {existing.origin}, one from "
+            f"{backend.origin}. Uninstall one, or skip one with {DISABLE_ENV}=<its entry point "
+            f"name>."
         )
     registry.backends[name] = backend
     registry.registrants[name] = plugin
@@ -528,7 +455,7 @@ def _clash_message(name: str, claims: list[tuple[Backend, str]]) -> str:
     """Why `name` is unusable: the plugins that register it, in an order that does not
     depend on which loaded first."""
     ordered = sorted(claims, key=_claim_order)
-    each = [f"{_origin(b.distribution, b.version)} (plugin {p!r})" for b, p in ordered]
+    each = [f"{b.origin} (plugin {p!r})" for b, p in ordered]
     return (
         f"The backend name {name!r} is registered by {', '.join(each[:-1])} and by "
         f"{each[-1]}, so meshlift uses none of them rather than pick one by install order. "
@@ -538,7 +465,7 @@ def _clash_message(name: str, claims: list[tuple[Backend, str]]) -> str:
 
 def _claim_order(claim: tuple[Backend, str]) -> tuple[str, str]:
     backend, plugin = claim
-    return _origin(backend.distribution, backend.version), plugin
+    return backend.origin, plugin
 
 
 def _check_first_party_name(
@@ -590,8 +517,10 @@ def _how_to_get(name: str, registry: _Registry) -> str:
             return f"; did you mean {' or '.join(map(repr, matches))}?"
         for e in registry.errors:
             if _fold(e.plugin) == _fold(name):
-                origin = _origin(e.distribution, e.version)
-                return f". Its plugin {e.plugin!r} ({origin}) failed to load: {e.error}"
+                return (
+                    f". Its plugin {e.plugin!r} ({origin(e.distribution, e.version)}) failed "
+                    f"to load: {e.error}"
+                )
         if registry.errors:
             return (
                 f". No installed plugin provides it, and {len(registry.errors)} failed to "
@@ -625,9 +554,3 @@ def _describe(error: BaseException) -> str:
     """`"SystemExit: 3"`; the type alone when the error has no message."""
     message = str(error)
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
-
-
-def _origin(distribution: str | None, version: str | None) -> str:
-    if distribution is None:
-        return "registered in this process"
-    return f"{distribution} {version}"
