@@ -60,7 +60,7 @@ class LoadError:
 
 @attrs.frozen
 class InstalledBackends:
-    """The installed backends and the plugins that failed to load.
+    """The installed backends, by name, and the plugins that failed to load.
 
     Iterates over the backends; `print()` it for a summary.
 

@@ -141,8 +141,10 @@ class _Registry:
             for message in [_clash_message(name, claims)]
             for backend, plugin in sorted(claims, key=_claim_order)
         ]
-        return InstalledBackends(
-            backends=tuple(BackendInfo.from_backend(b) for b in self.backends.values()),
+        return InstalledBackends(  # by name: the same whatever the order plugins loaded in
+            backends=tuple(
+                BackendInfo.from_backend(self.backends[n]) for n in sorted(self.backends)
+            ),
             errors=(*self.errors, *clashes),
         )
 
