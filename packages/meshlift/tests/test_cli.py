@@ -345,6 +345,18 @@ def test_plan_with_rules_file_and_json(plan_models, capsys):
     assert data["problems"] == []
 
 
+def test_plan_reports_a_rule_naming_an_axis_the_mesh_lacks(plan_models, capsys):
+    (plan_models / "rules.json").write_text('[["hidden", "modle"], ["embed", "data"]]')
+    argv = ["plan", "plan_models_cli:make_linen", "--mesh", "data=2,model=4"]
+    assert main([*argv, "--rules", "rules.json"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps long problems
+    assert (
+        "params.kernel: axis rule ('hidden', 'modle') names the mesh axis 'modle' (did you "
+        "mean 'model'?), which the mesh {'data': 2, 'model': 4} lacks, so the rule is skipped; "
+        "it is less sharded than the rule asks" in out
+    )
+
+
 def test_plan_bad_arguments(plan_models, capsys):
     assert main(["plan", "plan_models_cli", "--mesh", "data=2"]) == 2
     assert main(["plan", "plan_models_cli:make_nnx", "--mesh", "data2"]) == 2

@@ -27,10 +27,11 @@ def test_a_name_without_a_rule_is_replicated_and_none_stays_none():
     assert ml.logical_to_mesh(("vocab", None, "mlp"), FALLBACK_RULES) == P(None, None, "model")
 
 
-def test_rules_for_axes_the_mesh_lacks_are_skipped():
+def test_rules_for_axes_the_mesh_lacks_are_skipped_and_said_so():
     rules = [("embed", "expert"), ("embed", "data")]
     assert ml.logical_to_mesh(("embed",), rules) == P("expert")
-    assert ml.logical_to_mesh(("embed",), rules, mesh={"data": 2, "model": 4}) == P("data")
+    with pytest.warns(ml.AxisRuleWarning, match=r"\('embed', 'expert'\) names the mesh axis"):
+        assert ml.logical_to_mesh(("embed",), rules, mesh={"data": 2, "model": 4}) == P("data")
 
 
 def test_tuple_mesh_axes_and_explicit_none_rule():

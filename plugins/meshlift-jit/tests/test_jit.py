@@ -580,3 +580,39 @@ def test_explain_takes_flaxs_state_sharding(mesh):
     plan = nnx.StateSharding({nnx.PathContains("kernel"): P(None, "model"), ...: P()})
     report = ml.explain(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), plan, mesh)
     assert {r.path: r.spec for r in report.rows} == {"bias": P(), "kernel": P(None, "model")}
+
+
+class PytreeHolder(nnx.Module):
+    def __init__(self, first=4):
+        self.tree = nnx.Variable({"a": jnp.ones(first), "b": [jnp.zeros(8)]})
+
+
+def test_a_plan_on_a_variable_holding_a_pytree_shards_each_array_as_nnx_jit(mesh):
+    """A Variable holding a pytree (issue 27): the spec applies to each of its arrays."""
+
+    def step(holder):
+        holder.tree.set_value(jax.tree.map(lambda x: x + 1, holder.tree.get_value()))
+        return holder.tree.get_value()["a"].sum()
+
+    sharded = NamedSharding(mesh, P("model"))
+    results = {}
+    for name, lifted in (
+        ("nnx.jit", graph_mode_jit(step, in_shardings=(nnx.StateSharding({...: sharded}),))),
+        ("ml.jit", ml.jit(step, in_shardings=(ml.StateSharding({...: P("model")}),), mesh=mesh)),
+    ):
+        holder = PytreeHolder()
+        results[name] = ([float(lifted(holder)) for _ in range(2)], holder)
+    (ref_out, ref), (out, holder) = results["nnx.jit"], results["ml.jit"]
+    assert out == ref_out == [8.0, 12.0]
+    got, want = holder.tree.get_value(), ref.tree.get_value()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+        assert g.sharding.spec == P("model")
+    report = ml.explain(holder, ml.StateSharding({...: P("model")}), mesh)
+    assert {r.path: r.shape for r in report.rows} == {"tree.a": (4,), "tree.b.0": (8,)}
+
+
+def test_a_pytree_variables_array_the_mesh_cannot_shard_is_named(mesh):
+    step = ml.jit(lambda h: h.tree.get_value()["a"].sum(), in_shardings=(P("model"),), mesh=mesh)
+    with pytest.raises(ml.PlanError, match=r"`h\.tree\.a` \(shape \(3,\)\).*not divisible by 4"):
+        step(PytreeHolder(first=3))

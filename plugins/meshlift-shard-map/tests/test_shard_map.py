@@ -241,6 +241,42 @@ def test_auto_leaves_axes_to_the_compiler(mesh):
             g(jnp.ones(8))
 
 
+@pytest.mark.parametrize("axis_names", [None, {"data"}], ids=["fully-manual", "data-manual"])
+@pytest.mark.parametrize("context", ["use_mesh", "mesh="])
+def test_with_logical_constraint_inside_constrains_the_auto_axes_as_jax_does(
+    mesh, axis_names, context
+):
+    """A model written with logical constraints runs under shard_map (issue 27): the manual
+    axes are split already, the auto ones are constrained as `with_sharding_constraint` does."""
+    rules = [("batch", "data"), ("embed", "model")]
+    options = {} if axis_names is None else {"axis_names": axis_names}
+
+    def body(constrain):
+        return lambda m, x: constrain(m(x))
+
+    def run(constrain):
+        model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+        x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+        f = ml.shard_map(
+            body(constrain),
+            mesh=None if context == "use_mesh" else mesh,
+            in_specs=(P(), P("data")),
+            out_specs=P("data"),
+            **options,
+        )
+        with ml.axis_rules(rules):
+            if context == "use_mesh":
+                with ml.use_mesh(mesh):
+                    return f(model, x)
+            return f(model, x)
+
+    ours = run(lambda y: ml.with_logical_constraint(y, ("batch", "embed")))
+    auto_spec = P() if axis_names is None else P(None, "model")  # 'data' is manual
+    theirs = run(lambda y: jax.lax.with_sharding_constraint(y, auto_spec))
+    np.testing.assert_array_equal(ours, theirs)
+    assert ours.sharding == theirs.sharding
+
+
 # -- arguments, forms, stages ------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 # A new public name is one entry here, one import in the TYPE_CHECKING block below and
 # one entry in __all__ (tests/test_cli_imports.py checks that the three agree).
 _LAZY: dict[str, str] = {
+    "eval_shape": "meshlift.abstract",
     "Backend": "meshlift.backend",
     "Specs": "meshlift.backend",
     "StageSpec": "meshlift.backend",
@@ -38,6 +39,7 @@ _LAZY: dict[str, str] = {
     "hookimpl": "meshlift.hookspecs",
     "Lifted": "meshlift.lift",
     "transform": "meshlift.lift",
+    "AxisRuleWarning": "meshlift.logical",
     "axis_rules": "meshlift.logical",
     "logical_to_mesh": "meshlift.logical",
     "logical_to_mesh_axes": "meshlift.logical",
@@ -72,11 +74,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     __version__: str
 
     from meshlift import plugins
+    from meshlift.abstract import eval_shape
     from meshlift.backend import Backend, Specs, StageSpec
     from meshlift.explain import Explanation, explain
     from meshlift.hookspecs import hookimpl
     from meshlift.lift import Lifted, transform
     from meshlift.logical import (
+        AxisRuleWarning,
         axis_rules,
         logical_to_mesh,
         logical_to_mesh_axes,
@@ -204,6 +208,7 @@ else:  # at run time each forwards to its backend's front end, found through the
 
 
 __all__ = [
+    "AxisRuleWarning",
     "Backend",
     "BackendNotFoundError",
     "Compiled",
@@ -222,6 +227,7 @@ __all__ = [
     "axis_rules",
     "backends",
     "current_mesh",
+    "eval_shape",
     "explain",
     "get_backend",
     "get_frontend",

@@ -274,7 +274,7 @@ def explain(
     matched: set[int] = set()
     rows, notes = [], []
     for item in items:
-        path = format_path(item.path)
+        path = format_path(item.array_path)
         placed, own_mesh = _placed(item, plan, rules, mesh_shape, matched)
         if placed.mesh_shape != mesh_shape:
             notes.append(f"`{path}` is placed on its NamedSharding's mesh, {placed.mesh_shape}")
@@ -293,9 +293,10 @@ def _placed(
     """How a call places `item` (the rule it takes, or the error it raises), and the mesh
     of the NamedSharding it is given, if any. The plan's rules that match go in `matched`."""
     spec: Spec
+    skipped: list[Any] = []
     try:
         if plan is None:
-            spec = item.spec(rules, mesh_shape)
+            spec, skipped = item.resolve(rules, mesh_shape)
         else:
             index = plan.rule_for(item.path, item.holder)
             matched.add(index)
@@ -304,7 +305,16 @@ def _placed(
         problem = str(error) if plan is not None else _needs_rules(item)
         return resolve.Placement(PartitionSpec(), mesh_shape, (problem,)), None
     own = spec.mesh if isinstance(spec, NamedSharding) else None
-    return resolve.placement(spec, mesh_shape, item.shape), own if isinstance(own, Mesh) else None
+    placed = resolve.placement(spec, mesh_shape, item.shape)
+    if skipped:  # a rule naming an axis the mesh lacks: a typo, or rules for another mesh
+        placed = dataclasses.replace(
+            placed,
+            problems=(
+                *(f"{rule}; it is less sharded than the rule asks" for rule in skipped),
+                *placed.problems,
+            ),
+        )
+    return placed, own if isinstance(own, Mesh) else None
 
 
 def _needs_rules(item: Any) -> str:

@@ -4,7 +4,9 @@ Rules are an ordered list of `(logical_name, mesh_axes)` pairs. A logical
 name may appear several times, as fallbacks. Rules are applied in order: a
 rule gives its mesh axes to its dimension if that dimension has none yet, the
 axes exist (in the mesh, when a mesh is known) and no other dimension of the
-same array already uses them. A name with no rule is replicated, and no spec
+same array already uses them. A rule skipped because the mesh lacks its axes is
+reported (`ml.AxisRuleWarning`, or an error with `strict=True`): it is usually
+a typo. A name with no rule is replicated, and no spec
 ever uses a mesh axis twice (flax's linen semantics; NNX's resolver can
 return `P('model', 'model')`). A rule may map a name to
 `PartitionSpec.UNCONSTRAINED` (the compiler chooses that dimension), as in flax.
@@ -30,14 +32,21 @@ with ml.axis_rules(rules):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
+import os
+import sys
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias, overload
 
+import flax
 import jax
 from flax.core import spmd as flax_spmd
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift.mesh import current_mesh
+from meshlift.paths import PlanError
 
 MeshAxes: TypeAlias = str | tuple[str, ...] | None  # or PartitionSpec.UNCONSTRAINED
 Rules: TypeAlias = Sequence[tuple[str, MeshAxes]]
@@ -153,22 +162,94 @@ def _axes_of(axes: MeshAxes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _mesh_axis_names(mesh: Any) -> set[str] | None:
+def _mesh_shape(mesh: Any) -> dict[str, int] | None:
+    """`{axis: size}` of a Mesh, an AbstractMesh or such a dict; None for no mesh."""
     if mesh is None:
         return None
-    if isinstance(mesh, Mapping):
-        return set(mesh)
-    return set(mesh.axis_names)
+    return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+
+
+class AxisRuleWarning(UserWarning):
+    """An axis rule was skipped because the mesh lacks one of its axes.
+
+    A typo in a rule (`("mlp", "modle")`), or rules written for another mesh
+    too: either way some parameters are less sharded than the rule asks.
+    Silence it for rules shared across meshes with
+    `warnings.filterwarnings("ignore", category=ml.AxisRuleWarning)`.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRule:
+    """An axis rule passed over for a dimension it named, because the mesh lacks `missing`.
+
+    `mesh_shape` is the mesh's `{axis: size}`. `str()` says which rule and axis,
+    and which mesh axis the name might have meant.
+    """
+
+    rule: tuple[str, MeshAxes]
+    missing: tuple[str, ...]
+    mesh_shape: tuple[tuple[str, int], ...]
+
+    def __str__(self) -> str:
+        axes = [name for name, _ in self.mesh_shape]
+        guess = difflib.get_close_matches(self.missing[0], axes, n=1)
+        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+        which = " and ".join(map(repr, self.missing))
+        return (
+            f"axis rule {self.rule!r} names the mesh axis {which}{hint}, which the mesh "
+            f"{dict(self.mesh_shape)} lacks, so the rule is skipped"
+        )
+
+
+def report_skipped(skipped: Mapping[SkippedRule, Sequence[str]], *, strict: bool) -> None:
+    """Say which rules were skipped and for what: an AxisRuleWarning, or with `strict` a PlanError.
+
+    `skipped` maps each skipped rule to what it was skipped for (parameter
+    paths or logical names, as the reader knows them).
+    """
+    if not skipped:
+        return
+    lines = [f"{rule} for {', '.join(dict.fromkeys(where))}" for rule, where in skipped.items()]
+    message = "\n".join(lines) + "; these are less sharded than the rules ask. Fix the rule"
+    if strict:
+        raise PlanError(message + " (strict=True makes a skipped rule an error).")
+    warnings.warn(
+        message + "; if the rules also serve a mesh that has this axis, filter "
+        "ml.AxisRuleWarning, or pass strict=True to make this an error.",
+        AxisRuleWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+_LIBRARIES = tuple(
+    os.path.dirname(path) + os.sep for path in (__file__, jax.__file__, flax.__file__)
+)
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` for `warnings.warn` that points at the first caller outside the
+    libraries (meshlift, jax, flax), so a warning names the user's line."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 @overload
 def logical_to_mesh_axes(
-    names: Sequence[str | None] | PartitionSpec, rules: Rules | None = None, *, mesh: Any = None
+    names: Sequence[str | None] | PartitionSpec,
+    rules: Rules | None = None,
+    *,
+    mesh: Any = None,
+    strict: bool = False,
 ) -> PartitionSpec: ...
 
 
 @overload
-def logical_to_mesh_axes(names: None, rules: Rules | None = None, *, mesh: Any = None) -> None: ...
+def logical_to_mesh_axes(
+    names: None, rules: Rules | None = None, *, mesh: Any = None, strict: bool = False
+) -> None: ...
 
 
 def logical_to_mesh_axes(
@@ -176,14 +257,16 @@ def logical_to_mesh_axes(
     rules: Rules | None = None,
     *,
     mesh: Any = None,
+    strict: bool = False,
 ) -> PartitionSpec | None:
     """The mesh `PartitionSpec` for one array whose dimensions have logical `names`.
 
     `rules` default to those in context (`ml.axis_rules`). With a `mesh` (a
     Mesh or `{"data": 2, ...}`), a rule whose mesh axes the mesh lacks is
-    skipped, so a later fallback applies. Entries that are not names (None,
-    `PartitionSpec.UNCONSTRAINED`) are kept, and a rule may give
-    `PartitionSpec.UNCONSTRAINED`, as in flax.
+    skipped, so a later fallback applies, and an `ml.AxisRuleWarning` says so
+    (with `strict=True`, a PlanError: a skipped rule is usually a typo).
+    Entries that are not names (None, `PartitionSpec.UNCONSTRAINED`) are
+    kept, and a rule may give `PartitionSpec.UNCONSTRAINED`, as in flax.
 
     Example:
 
@@ -196,19 +279,37 @@ def logical_to_mesh_axes(
     """
     if names is None:
         return None
-    assigned = _assign(tuple(names), _resolve_rules(rules), mesh)
-    return PartitionSpec(*(None if a is _UNASSIGNED else a for a in assigned))
+    skipped: dict[SkippedRule, list[str]] = {}
+    spec = _to_mesh_axes(tuple(names), _resolve_rules(rules), mesh, skipped)
+    report_skipped(skipped, strict=strict)
+    return spec
 
 
-_UNASSIGNED = object()  # a logical name no rule has given mesh axes to (yet)
+def _to_mesh_axes(
+    names: tuple[Any, ...],
+    rules: tuple[tuple[str, MeshAxes], ...],
+    mesh: Any,
+    skipped: dict[SkippedRule, list[str]],
+) -> PartitionSpec:
+    """The spec of logical `names`; the rules the mesh made `assign` skip go in `skipped`."""
+    assigned, passed_over = assign(names, rules, mesh)
+    for rule in passed_over:
+        skipped.setdefault(rule, []).append(f"the logical names {names}")
+    return PartitionSpec(*(None if a is UNASSIGNED else a for a in assigned))
 
 
-def _assign(
+UNASSIGNED = object()  # a logical name no rule has given mesh axes to (yet)
+
+
+def assign(
     names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], mesh: Any
-) -> list[Any]:
-    """One entry per dimension: its mesh axes, or `_UNASSIGNED` for a name no rule fits.
+) -> tuple[list[Any], list[SkippedRule]]:
+    """One entry per dimension (its mesh axes, or `UNASSIGNED` for a name no rule fits), and
+    the rules skipped because the mesh lacks their axes.
 
     Entries that are not names (None, `PartitionSpec.UNCONSTRAINED`) are kept as they are.
+    A rule is skipped only where it would have applied: its name's dimension has
+    no axes yet and none of its axes is used by another dimension.
     """
     seen: set[str] = set()
     for name in names:
@@ -219,21 +320,24 @@ def _assign(
                     f"may name one dimension of an array (rename one of them)"
                 )
             seen.add(name)
-    result: list[Any] = [_UNASSIGNED if isinstance(n, str) else n for n in names]
+    result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
     used: set[str] = set()
-    available = _mesh_axis_names(mesh)
+    mesh_shape = _mesh_shape(mesh)
+    skipped: list[SkippedRule] = []
     for name, axes in rules:
         if name not in seen:
             continue
         dim = names.index(name)
         wanted = _axes_of(axes)
-        if result[dim] is not _UNASSIGNED or used.intersection(wanted):
+        if result[dim] is not UNASSIGNED or used.intersection(wanted):
             continue
-        if available is not None and not available.issuperset(wanted):
+        if mesh_shape is not None and not set(mesh_shape).issuperset(wanted):
+            missing = tuple(a for a in wanted if a not in mesh_shape)
+            skipped.append(SkippedRule((name, axes), missing, tuple(mesh_shape.items())))
             continue
         result[dim] = axes
         used.update(wanted)
-    return result
+    return result, skipped
 
 
 def _is_logical_leaf(x: Any) -> bool:
@@ -247,8 +351,12 @@ def _is_logical_leaf(x: Any) -> bool:
     )
 
 
-def logical_to_mesh(specs: Any, rules: Rules | None = None, *, mesh: Any = None) -> Any:
+def logical_to_mesh(
+    specs: Any, rules: Rules | None = None, *, mesh: Any = None, strict: bool = False
+) -> Any:
     """Map logical specs to mesh specs: one spec, or a pytree of them (`P` or name tuples).
+
+    `mesh` and `strict` as for `logical_to_mesh_axes`.
 
     Example:
 
@@ -258,14 +366,22 @@ def logical_to_mesh(specs: Any, rules: Rules | None = None, *, mesh: Any = None)
     ```
     """
     rules = _resolve_rules(rules)
+    skipped: dict[SkippedRule, list[str]] = {}
+
+    def to_mesh(names: Any) -> PartitionSpec | None:
+        return None if names is None else _to_mesh_axes(tuple(names), rules, mesh, skipped)
+
     if _is_logical_leaf(specs):
-        return logical_to_mesh_axes(specs, rules, mesh=mesh)
-    return jax.tree.map(
-        lambda s: logical_to_mesh_axes(s, rules, mesh=mesh), specs, is_leaf=_is_logical_leaf
-    )
+        resolved = to_mesh(specs)
+    else:
+        resolved = jax.tree.map(to_mesh, specs, is_leaf=_is_logical_leaf)
+    report_skipped(skipped, strict=strict)
+    return resolved
 
 
-def logical_to_mesh_sharding(specs: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+def logical_to_mesh_sharding(
+    specs: Any, mesh: Mesh, rules: Rules | None = None, *, strict: bool = False
+) -> Any:
     """Like `logical_to_mesh`, giving a `NamedSharding` on `mesh` per spec.
 
     Example:
@@ -276,7 +392,7 @@ def logical_to_mesh_sharding(specs: Any, mesh: Mesh, rules: Rules | None = None)
     assert sharding == jax.NamedSharding(mesh, P("data", None))
     ```
     """
-    resolved = logical_to_mesh(specs, rules, mesh=mesh)
+    resolved = logical_to_mesh(specs, rules, mesh=mesh, strict=strict)
     return jax.tree.map(
         lambda s: None if s is None else NamedSharding(mesh, s),
         resolved,
@@ -318,35 +434,64 @@ def with_logical_constraint(
     if names is None or not rules:
         return x
     mode = _check_fallback(fallback)
-    mesh = mesh if mesh is not None else current_mesh(legacy=True)
+    manual = _manual_axes()
+    context: Mesh | AbstractMesh | None = mesh if mesh is not None else current_mesh(legacy=True)
+    if manual:  # inside shard_map: constrain the auto axes of the mesh in context only
+        context = jax.sharding.get_abstract_mesh()
 
     def constrain(spec_names: Any, value: Any) -> Any:
         if spec_names is None:
             return value
-        assigned = _assign(tuple(spec_names), rules, mesh)
-        missing = [n for n, a in zip(tuple(spec_names), assigned, strict=True) if a is _UNASSIGNED]
+        assigned, passed_over = assign(tuple(spec_names), rules, context)
+        report_skipped(
+            {rule: [f"the logical names {tuple(spec_names)}"] for rule in passed_over}, strict=False
+        )
+        missing = [n for n, a in zip(tuple(spec_names), assigned, strict=True) if a is UNASSIGNED]
         if missing and mode == "raise_error":
             raise ValueError(
                 f"logical names {tuple(spec_names)} did not match a rule: no rule gives mesh "
                 f"axes to {', '.join(map(repr, missing))} (rules: {rules}"
                 + (
-                    f", mesh axes: {sorted(_mesh_axis_names(mesh) or ())}"
-                    if mesh is not None
+                    f", mesh axes: {sorted(_mesh_shape(context) or ())}"
+                    if context is not None
                     else ""
                 )
                 + "); add a rule such as ('name', 'model'), or pass "
                 "fallback=RulesFallback.AXIS_IS_UNSHARDED to replicate along it"
             )
-        if (missing and mode == "no_constraint") or mesh is None:
+        if (missing and mode == "no_constraint") or context is None:
             return value
-        spec = PartitionSpec(*(None if a is _UNASSIGNED else a for a in assigned))
-        return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
+        spec = PartitionSpec(*(None if a is UNASSIGNED else a for a in assigned))
+        if manual:
+            if manual.issuperset(context.axis_names):
+                return value  # fully manual: each device holds its block, nothing to constrain
+            return jax.lax.with_sharding_constraint(value, _without_axes(spec, manual))
+        return jax.lax.with_sharding_constraint(value, NamedSharding(context, spec))
 
     if _is_logical_leaf(names):
         if hasattr(x, "shape"):
             return constrain(names, x)
         return jax.tree.map(lambda v: constrain(names, v), x)
     return jax.tree.map(constrain, names, x, is_leaf=_is_logical_leaf)
+
+
+def _manual_axes() -> frozenset[str]:
+    """The mesh axes that are manual where this runs (inside `shard_map`); empty elsewhere."""
+    return frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def _without_axes(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
+    """`spec` with `axes` taken out: inside shard_map a manual axis is split already."""
+
+    def entry(e: Any) -> Any:
+        if isinstance(e, str):
+            return None if e in axes else e
+        if isinstance(e, tuple):
+            kept = tuple(a for a in e if a not in axes)
+            return kept if len(kept) > 1 else kept[0] if kept else None
+        return e  # None, UNCONSTRAINED
+
+    return PartitionSpec(*map(entry, spec))
 
 
 def _check_fallback(fallback: Any) -> str:

@@ -46,7 +46,15 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift import compat
 from meshlift.graph import variable_paths
-from meshlift.logical import Rules, check_rules, current_rules, logical_to_mesh_axes
+from meshlift.logical import (
+    UNASSIGNED,
+    Rules,
+    SkippedRule,
+    assign,
+    check_rules,
+    current_rules,
+    report_skipped,
+)
 from meshlift.mesh import current_mesh
 from meshlift.paths import PlanError, format_path, key_name
 from meshlift.specs import spec_problems
@@ -69,14 +77,24 @@ __all__ = [
 
 
 def with_partitioning(
-    init_fn: Callable[..., Any], names: Sequence[Any], mesh: jax.sharding.Mesh | None = None
+    init_fn: Callable[..., Any],
+    sharding: Sequence[Any] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    names: Sequence[Any] | None = None,
+    **metadata: Any,
 ) -> Callable[..., Any]:
-    """Wrap an initializer so its parameter carries mesh-axis `names`, one per dimension.
+    """Wrap an initializer so its parameter carries a sharding, one name per dimension.
 
-    In NNX the Variable gets `out_sharding=names` metadata (and is placed on
-    that sharding at once if a mesh is known: `mesh=` or `ml.use_mesh`);
-    for linen and flax.core's `scope.param` the value is boxed in
-    `nn.Partitioned` (the box `nn.with_partitioning` makes).
+    In NNX (flax's `nnx.with_partitioning`) the Variable gets
+    `out_sharding=sharding` metadata, plus any other `metadata` (such as
+    flax's `sharding_rules`). As in flax, a name that the rules in effect map
+    (its `sharding_rules`, `ml.axis_rules` / `nnx.logical_axis_rules`) is
+    a logical name, and any other name is a mesh axis; the parameter is placed
+    on that sharding at once if a mesh is known (`mesh=` or `ml.use_mesh`).
+    For linen and flax.core's `scope.param` (linen's
+    `nn.with_partitioning(fn, names)`) the value is boxed in `nn.Partitioned`,
+    whose names are mesh axes.
 
     Example:
 
@@ -95,18 +113,31 @@ def with_partitioning(
     assert isinstance(variables["params"]["kernel"], nn.Partitioned)
     ```
     """
-    names = _check_names(names, "with_partitioning")
+    if (sharding is None) == (names is None):
+        raise TypeError(
+            "with_partitioning takes the sharding once: with_partitioning(init, (None, 'model')),"
+            " or sharding= (flax's NNX name), or names= (linen's)"
+        )
+    names = _check_names(sharding if names is None else names, "with_partitioning")
+    rules = metadata.get("sharding_rules")
+    if rules is not None:
+        check_rules(rules)
 
     @functools.wraps(init_fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         value = init_fn(*args, **kwargs)
         if _for_flax_scope():
+            if metadata:
+                raise TypeError(
+                    f"with_partitioning: linen's nn.Partitioned box keeps only the names and "
+                    f"the mesh; {sorted(metadata)} are NNX Variable metadata"
+                )
             return flax_meta.Partitioned(value, names, mesh=mesh)
-        value = _place(value, PartitionSpec(*names), mesh)
-        metadata = {"out_sharding": names, "eager_sharding": False}
+        value = _place(value, Annotated((), value, None, names, "nnx", rules), mesh)
+        nnx_metadata = {"out_sharding": names, "eager_sharding": False, **metadata}
         if mesh is not None:
-            metadata["mesh"] = mesh
-        return variablelib.VariableMetadata(value, metadata=metadata)
+            nnx_metadata["mesh"] = mesh
+        return variablelib.VariableMetadata(value, metadata=nnx_metadata)
 
     return wrapper
 
@@ -119,10 +150,14 @@ def with_logical_partitioning(
 ) -> Callable[..., Any]:
     """Like `with_partitioning` with logical `names`, mapped to mesh axes by axis rules.
 
-    In NNX the Variable gets `out_sharding=names` and `sharding_rules=rules`
-    (flax's own marker of a logical annotation); for linen and flax.core's
-    `scope.param` the value is boxed in `nn.LogicallyPartitioned`. Rules
-    given here apply to this parameter before those of `ml.axis_rules`.
+    Linen's meaning (`nn.with_logical_partitioning`): every name is
+    logical, and a name no rule maps is replicated, so one model can name
+    more dimensions than a given rule set shards. (`with_partitioning`
+    follows flax NNX instead: there a name no rule maps is a mesh axis.) In NNX
+    the Variable gets `out_sharding=names`, `logical_names=True` and, if
+    given, `sharding_rules=rules`; for linen and flax.core's `scope.param` the
+    value is boxed in `nn.LogicallyPartitioned`. Rules given here apply to
+    this parameter before those of `ml.axis_rules`.
 
     Example:
 
@@ -145,14 +180,15 @@ def with_logical_partitioning(
             from flax.linen import spmd as linen_spmd
 
             return linen_spmd.LogicallyPartitioned(value, names, mesh=mesh, rules=rules)
-        effective = _effective_rules(None, rules)
-        if effective:
-            value = _place(value, logical_to_mesh_axes(names, effective, mesh=mesh), mesh)
+        if _effective_rules(None, rules):
+            value = _place(value, Annotated((), value, None, names, "logical", rules), mesh)
         metadata: dict[str, Any] = {
             "out_sharding": names,
-            "sharding_rules": rules,
+            "logical_names": True,
             "eager_sharding": False,
         }
+        if rules is not None:
+            metadata["sharding_rules"] = rules
         if mesh is not None:
             metadata["mesh"] = mesh
         return variablelib.VariableMetadata(value, metadata=metadata)
@@ -199,11 +235,19 @@ def _check_names(names: Any, who: str) -> tuple[Any, ...]:
     return tuple(names)
 
 
-def _place(value: Any, spec: PartitionSpec, mesh: Any) -> Any:
-    """Constrain a new parameter to `spec` if a mesh is known and the spec fits it."""
+def _place(value: Any, item: Annotated, mesh: Any) -> Any:
+    """Constrain a new parameter to its spec if a mesh is known and the spec fits it.
+
+    A rule skipped because the mesh lacks its axes is reported (an AxisRuleWarning).
+    """
     mesh = mesh if mesh is not None else current_mesh()
     shape = getattr(value, "shape", None)
-    if mesh is None or shape is None or spec_problems(spec, shape, dict(mesh.shape)):
+    if mesh is None or shape is None:
+        return value
+    spec, skipped = item.resolve(None, mesh, require_rules=False)
+    where = f"a new parameter of shape {shape} named {item.names}"
+    report_skipped({rule: [where] for rule in skipped}, strict=False)
+    if spec_problems(spec, shape, dict(mesh.shape)):
         return value  # left as made; ml.explain and the transforms report a bad spec by path
     return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
@@ -217,44 +261,70 @@ class Annotated:
 
     `holder` is the NNX Variable or flax box around the value (what NNX filters
     see), else the value itself. `names` is None for an unannotated array.
+    `kind` says what the names mean, as the library that made them means it:
+
+    - `"mesh"`: mesh axes (linen's `nn.Partitioned`, a NamedSharding);
+    - `"nnx"`: a name the rules name is logical, any other a mesh axis (flax
+      NNX's `out_sharding`);
+    - `"logical"`: logical, a name no rule maps replicated (linen's
+      `nn.LogicallyPartitioned`, `ml.with_logical_partitioning`).
     """
 
     path: Path
     value: Any
     holder: Any
     names: tuple[Any, ...] | None = None
-    logical: bool = False
+    kind: str = "mesh"
     rules: tuple[tuple[str, Any], ...] | None = None
     mesh: Any = None
+    within: Path = ()  # where the array sits in a Variable that holds a pytree
+
+    @property
+    def array_path(self) -> Path:
+        """The array's path: the Variable's, and for a Variable holding a pytree, beyond."""
+        return (*self.path, *self.within)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self.value, "shape", ()))
 
-    def spec(self, rules: Any = None, mesh: Any = None, *, strict: bool = True) -> PartitionSpec:
-        """The mesh spec. Logical names need rules: without any, a PlanError (or, with
-        `strict=False`, the logical names themselves, as flax's `get_partition_spec`)."""
+    def resolve(
+        self, rules: Any = None, mesh: Any = None, *, require_rules: bool = True
+    ) -> tuple[PartitionSpec, list[SkippedRule]]:
+        """The mesh spec, and the rules skipped because `mesh` lacks their axes.
+
+        `rules` replace those in context (the parameter's own rules apply first
+        either way). Logical names need rules: without any, a PlanError (or,
+        without `require_rules`, the names themselves, as flax's `get_partition_spec`).
+        """
         if self.names is None:
-            return PartitionSpec()
-        if not self.logical:
-            return PartitionSpec(*self.names)
-        effective = _effective_rules(rules, self.rules)
+            return PartitionSpec(), []
+        effective = () if self.kind == "mesh" else _effective_rules(rules, self.rules)
         if not effective:
-            if not strict:
-                return PartitionSpec(*self.names)
-            raise PlanError(
-                f"`{format_path(self.path)}` (shape {self.shape}) has the logical names "
-                f"{self.names} but no axis rules are set, so it has no mesh spec; pass rules=, "
-                f"or wrap the call in `with ml.axis_rules([('hidden', 'model'), ...]):`"
+            if self.kind == "logical" and require_rules:
+                raise PlanError(
+                    f"`{format_path(self.path)}` (shape {self.shape}) has the logical names "
+                    f"{self.names} but no axis rules are set, so it has no mesh spec; pass "
+                    f"rules=, or wrap the call in `with ml.axis_rules([('hidden', 'model'), "
+                    f"...]):`"
+                )
+            return PartitionSpec(*self.names), []
+        assigned, skipped = assign(self.names, effective, mesh)
+        # flax NNX: a name no rule names is a mesh axis; one whose rules could not apply
+        # (skipped, or its axes taken by another dimension) is replicated, as in linen
+        logical = {name for name, _ in effective} if self.kind == "nnx" else set(self.names)
+        return PartitionSpec(
+            *(
+                (None if name in logical else name) if axes is UNASSIGNED else axes
+                for name, axes in zip(self.names, assigned, strict=True)
             )
-        return logical_to_mesh_axes(self.names, effective, mesh=mesh)
+        ), skipped
 
 
 def _effective_rules(explicit: Any, local: Any) -> tuple[tuple[str, Any], ...]:
-    """Explicit rules if given, else the parameter's own rules then those of `ml.axis_rules`."""
-    if explicit is not None:
-        return check_rules(explicit)
-    return tuple(local or ()) + tuple(current_rules() or ())
+    """The parameter's own rules, then the explicit rules if given, else those in context."""
+    outer = check_rules(explicit) if explicit is not None else current_rules() or ()
+    return tuple(local or ()) + tuple(outer)
 
 
 def _is_box(x: Any) -> bool:
@@ -271,7 +341,7 @@ def _box_annotation(x: Any) -> dict[str, Any]:
         logical = isinstance(x, linen_spmd.LogicallyPartitioned)
         return {
             "names": tuple(x.names),
-            "logical": logical,
+            "kind": "logical" if logical else "mesh",
             "rules": getattr(x, "rules", None),
             "mesh": x.mesh,
         }
@@ -286,11 +356,12 @@ def _nnx_annotation(md: dict[str, Any]) -> dict[str, Any]:
     if not sharding:
         return {}
     mesh = md.get("mesh")
+    kind = "logical" if md.get("logical_names") else "nnx"
     if isinstance(sharding, NamedSharding):
-        mesh, sharding = sharding.mesh, sharding.spec
+        mesh, sharding, kind = sharding.mesh, sharding.spec, "mesh"
     return {
         "names": tuple(sharding),
-        "logical": "sharding_rules" in md,
+        "kind": kind,
         "rules": md.get("sharding_rules"),
         "mesh": mesh,
     }
@@ -323,10 +394,18 @@ def annotated_leaves(tree: Any) -> list[Annotated]:
         pairs = [(tuple(key_name(k) for k in kp), leaf) for kp, leaf in with_paths]
     for path, leaf in pairs:
         value = _box_value(leaf) if _is_box(leaf) else leaf
-        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            continue
-        out.append(Annotated(path, value, leaf, **_box_annotation(leaf)))
+        if _is_array(value):
+            out.append(Annotated(path, value, leaf, **_box_annotation(leaf)))
+        elif isinstance(leaf, nnx.Variable):  # a Variable holding a pytree: each array of it
+            for keys, array in jax.tree_util.tree_flatten_with_path(value)[0]:
+                if _is_array(array):
+                    within = tuple(key_name(k) for k in keys)
+                    out.append(Annotated(path, array, leaf, within=within, **_box_annotation(leaf)))
     return out
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 # -- tree functions -----------------------------------------------------------------------
@@ -388,15 +467,19 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
 
     def spec(x: Any) -> PartitionSpec:
         item = Annotated((), _box_value(x), x, **_box_annotation(x))
-        if rules is None and item.logical and item.names is not None and hasattr(x, "names"):
+        if rules is None and item.kind == "logical" and item.names and hasattr(x, "names"):
             return PartitionSpec(*item.names)  # a linen box: logical, as nn.get_partition_spec
-        return item.spec(rules, strict=False)
+        return item.resolve(rules, require_rules=False)[0]
 
     return _map_boxes(spec, tree)
 
 
 def get_sharding(
-    tree: Any, mesh: Mesh | AbstractMesh | None = None, rules: Rules | None = None
+    tree: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Rules | None = None,
+    *,
+    strict: bool = False,
 ) -> Any:
     """A `NamedSharding` on `mesh` for every array in `tree`, checked against the mesh.
 
@@ -404,7 +487,9 @@ def get_sharding(
     of `jax.jit`. Every spec that cannot shard its array (an axis the mesh
     lacks, an axis used twice, too many entries, a dimension not divisible) is
     reported in one `ml.PlanError` with its path. `mesh` defaults to the
-    one of `ml.use_mesh`.
+    one of `ml.use_mesh`. An axis rule skipped because the mesh lacks its
+    axes gives an `ml.AxisRuleWarning` naming the parameters (with
+    `strict=True`, a PlanError).
 
     Example:
 
@@ -423,16 +508,20 @@ def get_sharding(
     if mesh is None:
         raise TypeError("get_sharding needs a mesh: pass one, or call inside ml.use_mesh(mesh)")
     problems: list[str] = []
+    skipped_for: dict[SkippedRule, list[str]] = {}
     for item in annotated_leaves(tree):
         try:
-            spec = item.spec(rules, mesh)
+            spec, skipped = item.resolve(rules, mesh)
         except PlanError as error:
             problems.append(str(error))
             continue
+        for rule in skipped:
+            skipped_for.setdefault(rule, []).append(f"`{format_path(item.path)}`")
         found = spec_problems(spec, item.shape, dict(mesh.shape))
         if found:
             problems.append(
-                f"`{format_path(item.path)}` (shape {item.shape}, spec {spec}): " + "; ".join(found)
+                f"`{format_path(item.array_path)}` (shape {item.shape}, spec {spec}): "
+                + "; ".join(found)
             )
     if problems:
         raise PlanError(
@@ -441,10 +530,11 @@ def get_sharding(
             + "\nFix the annotation (ml.with_partitioning) or the axis rules, or use a mesh "
             "whose axes divide these dimensions."
         )
+    report_skipped(skipped_for, strict=strict)
 
     def sharding(x: Any) -> NamedSharding:
         item = Annotated((), _box_value(x), x, **_box_annotation(x))
-        return NamedSharding(mesh, item.spec(rules, mesh))
+        return NamedSharding(mesh, item.resolve(rules, mesh)[0])
 
     return _map_boxes(sharding, tree)
 

@@ -90,6 +90,11 @@ def to_sharding(
             f"`{path}` has the bare spec {spec} but no mesh is known: pass mesh= to the "
             f"transform, or call it inside `with ml.use_mesh(mesh):`"
         )
+    held = _held_tree(value)
+    if held is not None:  # a Variable holding a pytree: the spec is a prefix of its leaves
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(held)[0]:
+            to_sharding(spec, mesh, ".".join([path, *map(key_name, keys)]), leaf, what)
+        return NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
     shape = value_shape(value) if value is not None else None
     placed = placement(spec, mesh_shape(mesh) or {}, shape, what)
     if placed.problems:
@@ -98,6 +103,14 @@ def to_sharding(
             f"{placed.mesh_shape}: " + "; ".join(placed.problems)
         )
     return NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
+
+
+def _held_tree(value: Any) -> Any:
+    """The pytree a Variable holds (`nnx.Variable({"a": ...})`), or None for an array."""
+    if not isinstance(value, nnx.Variable):
+        return None
+    held = value.get_raw_value()
+    return None if jax.tree_util.treedef_is_leaf(jax.tree.structure(held)) else held
 
 
 def mesh_shape(mesh: Any) -> dict[str, int] | None:

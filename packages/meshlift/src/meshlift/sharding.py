@@ -195,15 +195,19 @@ class StateSharding:
         rules: Rules | None = None,
         *,
         mesh: Mesh | AbstractMesh | None = None,
+        strict: bool = False,
     ) -> StateSharding:
         """The plan written in the model's own annotations, usable by every backend.
 
         Reads NNX `out_sharding` metadata and linen `Partitioned` boxes (from
         `ml.with_partitioning` or flax's functions) of a module, `nnx.State`,
-        variable dict, `TrainState` or `jax.eval_shape` output. Logical names
-        are mapped by `rules` (else the parameter's own rules, then those of
-        `ml.axis_rules`); with `mesh` (a Mesh or `{"data": 2, ...}`), rules
-        for axes the mesh lacks are skipped. Each parameter matches by the end of
+        variable dict, `TrainState` or `jax.eval_shape` output. Names mean what
+        the library that wrote them means (`ml.with_partitioning`). Logical
+        names are mapped by the parameter's own rules, then by `rules` (by
+        default those of `ml.axis_rules` / `nnx.logical_axis_rules`). With
+        `mesh` (a Mesh or `{"data": 2, ...}`), a rule for axes the mesh lacks
+        is skipped and an `ml.AxisRuleWarning` names it and the parameters
+        (with `strict=True`, a PlanError). Each parameter matches by the end of
         its path, so the plan of a model also shards its optimizer state;
         unannotated arrays are replicated.
 
@@ -227,12 +231,21 @@ class StateSharding:
         loss = step(model, optimizer, jnp.ones((8, 16)))
         ```
         """
+        from meshlift.logical import SkippedRule, report_skipped
         from meshlift.metadata import annotated_leaves  # metadata imports this module
 
-        items = [item for item in annotated_leaves(model_or_tree) if item.names is not None]
-        pairs = [
-            (_AnnotatedPath(*item.path), item.spec(rules, mesh)) for item in items if item.path
-        ]
+        pairs = []
+        skipped_for: dict[SkippedRule, list[str]] = {}
+        seen: set[Path] = set()  # a Variable holding a pytree is met at each of its arrays
+        for item in annotated_leaves(model_or_tree):
+            if item.names is None or not item.path or item.path in seen:
+                continue
+            seen.add(item.path)
+            spec, skipped = item.resolve(rules, mesh)
+            pairs.append((_AnnotatedPath(*item.path), spec))
+            for rule in skipped:
+                skipped_for.setdefault(rule, []).append(f"`{format_path(item.path)}`")
+        report_skipped(skipped_for, strict=strict)
         pairs.sort(key=lambda pair: -len(pair[0].parts))  # the most specific path first
         return cls([*pairs, (..., PartitionSpec())])
 
