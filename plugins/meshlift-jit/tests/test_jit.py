@@ -616,3 +616,17 @@ def test_a_pytree_variables_array_the_mesh_cannot_shard_is_named(mesh):
     step = ml.jit(lambda h: h.tree.get_value()["a"].sum(), in_shardings=(P("model"),), mesh=mesh)
     with pytest.raises(ml.PlanError, match=r"`h\.tree\.a` \(shape \(3,\)\).*not divisible by 4"):
         step(PytreeHolder(first=3))
+
+
+def test_nnx_jits_graph_options_true_is_what_meshlift_does_false_is_refused():
+    def step(model):
+        model.count = nnx.Variable(jnp.zeros(()))  # a structure change, carried back
+        return model.bias[...].sum()
+
+    for lifted in (graph_mode_jit(step), ml.jit(step, graph=True, graph_updates=True)):
+        model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        lifted(model)
+        assert isinstance(model.count, nnx.Variable)
+    for option in ("graph", "graph_updates"):
+        with pytest.raises(ValueError, match=f"{option}=False asks for flax's tree mode"):
+            ml.jit(step, **{option: False})

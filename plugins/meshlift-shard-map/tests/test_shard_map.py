@@ -594,3 +594,17 @@ def test_the_kits_step_for_each_gradient_semantics(
     np.testing.assert_allclose(losses, ref_losses, atol=M.TOLERANCE)
     for path, value in M.flat_arrays(model).items():
         np.testing.assert_allclose(value, ref_arrays[path], atol=M.TOLERANCE, err_msg=str(path))
+
+
+def test_nnx_shard_maps_graph_options(data_mesh):
+    forward = ml.shard_map(
+        lambda m, x: m(x),
+        mesh=data_mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+        graph=True,
+        graph_updates=True,
+    )
+    assert forward(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.ones((8, 4))).shape == (8, 4)
+    with pytest.raises(ValueError, match="graph=False asks for flax's tree mode"):
+        ml.shard_map(lambda x: x, mesh=data_mesh, in_specs=P(), out_specs=P(), graph=False)

@@ -33,6 +33,8 @@ def jit(
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Lifted[Params, Result]: ...
 @overload
 def jit(
@@ -51,6 +53,8 @@ def jit(
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
 @overload
 def shard_map(
@@ -69,6 +73,8 @@ def shard_map(
     donate_argnames: str | Iterable[str] | None = None,
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Lifted[Params, Result]: ...
 @overload
 def shard_map(
@@ -87,6 +93,8 @@ def shard_map(
     donate_argnames: str | Iterable[str] | None = None,
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
 def pjit(
     fun: Callable[Params, Result],

@@ -454,6 +454,8 @@ def transform(
     static_argnames: str | Iterable[str] | None = None,
     donate_argnums: int | Iterable[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
     **options: Any,
 ) -> Lifted[Params, Result]: ...
 
@@ -471,6 +473,8 @@ def transform(
     static_argnames: str | Iterable[str] | None = None,
     donate_argnums: int | Iterable[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
     **options: Any,
 ) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
 
@@ -487,6 +491,8 @@ def transform(
     static_argnames: str | Iterable[str] | None = None,
     donate_argnums: int | Iterable[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
     **options: Any,
 ) -> Any:
     """Lift `fun` with any backend, by name or object, using the unified argument names.
@@ -494,6 +500,9 @@ def transform(
     `in_specs`/`out_specs` are pytree prefixes of the positional arguments
     and the output, with `PartitionSpec`, `NamedSharding`, `None` or
     `StateSharding` leaves. Other keyword options go to the backend.
+    `graph` and `graph_updates` are flax's (`nnx.jit`'s) names for what
+    meshlift always does (graph semantics, updates carried back): True or
+    None; False, flax's tree mode, is refused rather than run otherwise.
 
     Example:
 
@@ -515,6 +524,7 @@ def transform(
     loss = step(model, optimizer, jnp.ones((8, 16)))
     ```
     """
+    _check_graph_mode(graph=graph, graph_updates=graph_updates)
     backend = get_backend(backend)
     lift = functools.partial(
         Lifted,
@@ -532,6 +542,20 @@ def transform(
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def _check_graph_mode(**modes: bool | None) -> None:
+    """Refuse flax's tree mode (`graph=False`, `graph_updates=False`): meshlift keeps graph
+    semantics, and running them where tree semantics were asked would differ silently."""
+    for name, value in modes.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name}= takes True, False or None, got {type(value).__name__}")
+        if value is False:
+            raise ValueError(
+                f"{name}=False asks for flax's tree mode, which meshlift does not offer: it "
+                f"keeps graph semantics (shared Variables, structure changes carried back to "
+                f"your objects). Drop {name}= (or pass True), or use flax's nnx.jit for tree mode"
+            )
 
 
 def _spec_key(specs: Any) -> Hashable:

@@ -64,6 +64,8 @@ def jit(
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> ml.Lifted[Params, Result]: ...
 
 
@@ -84,6 +86,8 @@ def jit(
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[Params, Result]], ml.Lifted[Params, Result]]: ...
 
 
@@ -103,6 +107,8 @@ def jit(
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Any:
     """`jax.jit` over functions of NNX modules, optimizers and arrays, with write-back.
 
@@ -110,7 +116,8 @@ def jit(
     positional arguments and the output whose leaves may also be
     `StateSharding` plans; bare `PartitionSpec` leaves resolve against
     `mesh` or the mesh of `ml.use_mesh`. Updates to Variables inside the
-    function land on the caller's objects.
+    function land on the caller's objects. `graph`/`graph_updates` are
+    `nnx.jit`'s: True is what meshlift does anyway, False (tree mode) is refused.
 
     Example:
 
@@ -152,6 +159,8 @@ def jit(
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
+        graph=graph,
+        graph_updates=graph_updates,
         **options,
     )
 

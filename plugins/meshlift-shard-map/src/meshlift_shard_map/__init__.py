@@ -65,6 +65,8 @@ def shard_map(
     donate_argnames: str | Iterable[str] | None = None,
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> ml.Lifted[Params, Result]: ...
 
 
@@ -85,6 +87,8 @@ def shard_map(
     donate_argnames: str | Iterable[str] | None = None,
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[Params, Result]], ml.Lifted[Params, Result]]: ...
 
 
@@ -104,6 +108,8 @@ def shard_map(
     donate_argnames: str | Iterable[str] | None = None,
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Any:
     """`jax.shard_map` over functions of NNX modules, optimizers and arrays, with write-back.
 
@@ -118,7 +124,8 @@ def shard_map(
     row-parallel `psum` come out multiplied by the axis size. `jit=True`
     wraps the map in `jax.jit` (one compile, then cached), which is also
     what makes `donate_argnums` possible. `check_rep` and `auto` are
-    the deprecated names from `jax.experimental.shard_map`.
+    the deprecated names from `jax.experimental.shard_map`; `graph` and
+    `graph_updates` are `nnx.shard_map`'s (True, or None; tree mode is refused).
 
     Example:
 
@@ -154,6 +161,8 @@ def shard_map(
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
+        graph=graph,
+        graph_updates=graph_updates,
         **options,
     )
 
