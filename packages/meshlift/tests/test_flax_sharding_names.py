@@ -370,3 +370,15 @@ def test_eval_shape_leaves_its_arguments_and_names_what_the_mesh_cannot_shard():
     refused = pytest.raises(ml.PlanError, match=r"`kernel` \(shape \(16, 30\).*not divisible")
     with ml.use_mesh(ml.make_mesh({"data": 2, "model": 4})), refused:
         ml.eval_shape(lambda: nnx.Linear(16, 30, kernel_init=init, rngs=nnx.Rngs(0)))
+
+
+def test_names_set_with_set_metadata_are_mapped_by_an_explicit_rules_argument():
+    """The reported case: `set_metadata(out_sharding=("batch", None))`, rules= given."""
+    holder = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    holder.kernel.set_metadata(out_sharding=("batch", None))
+    rules = [("batch", "data")]
+    plan = ml.StateSharding.from_metadata(holder, rules, mesh={"data": 2, "model": 4})
+    assert plan.spec_for(("kernel",), holder.kernel) == P("data", None)
+    assert ml.get_partition_spec(holder, rules)["kernel"].get_value() == P("data", None)
+    with nnx.logical_axis_rules(rules):  # flax's own reading, for the same Variable
+        assert nnx.get_partition_spec(nnx.state(holder))["kernel"].get_value() == P("data", None)

@@ -12,8 +12,8 @@ The names: `nnx.Variable._raw_value` / `._var_metadata` / `._can_update`,
 `flax.nnx.pytreelib.PytreeState`, `flax.nnx.tracers.TraceState`,
 `flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache`, `jax._src.state.types.AbstractRef`,
 `flax.linen.module._context.module_stack`, `jax.Array._committed`,
-`jax._src.core.trace_state_clean`, `jax._src.mesh.get_concrete_mesh` and
-`jax._src.mesh.thread_resources`.
+`jax._src.core.trace_state_clean`, `jax._src.mesh.get_concrete_mesh`,
+`jax._src.mesh.thread_resources` and `jax._src.named_sharding.DuplicateSpecError`.
 """
 
 from __future__ import annotations
@@ -180,3 +180,15 @@ def in_linen_module() -> bool:
         return linen_module._context.module_stack[-1] is not None
     except (ImportError, AttributeError, IndexError):
         return False
+
+
+@functools.cache
+def duplicate_spec_error() -> type[Exception]:
+    """jax's `DuplicateSpecError`, what `jax.jit` raises for a spec naming a mesh axis twice
+    (`Exception` where jax keeps it elsewhere: then only `except Exception` catches both)."""
+    for module in ("jax._src.named_sharding", "jax._src.sharding_impls"):
+        with contextlib.suppress(ImportError):
+            found = getattr(importlib.import_module(module), "DuplicateSpecError", None)
+            if isinstance(found, type) and issubclass(found, Exception):
+                return found
+    return Exception

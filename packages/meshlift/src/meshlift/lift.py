@@ -128,7 +128,21 @@ class Lifted(Generic[Params, Result]):
         self._staged = shared_stages(fun, self._options_key())
 
     def __repr__(self) -> str:
-        return f"<meshlift.{self.backend.name} of {getattr(self.fun, '__qualname__', self.fun)}>"
+        name = getattr(self.fun, "__qualname__", None) or f"a {type(self.fun).__name__}"
+        return f"<meshlift.{self.backend.name} of {name}>"
+
+    def _cache_size(self) -> int:
+        """How many programs this function has compiled (`jax.jit(f)._cache_size()`)."""
+        return sum(_programs(staged) for staged in self._staged.values())
+
+    def clear_cache(self) -> None:
+        """Forget every staged and compiled program and argument layout (`jax.jit`'s);
+        the next call traces and compiles again."""
+        for staged in self._staged.values():
+            getattr(staged, "clear_cache", lambda: None)()
+        self._staged.clear()
+        self._entries = LayoutCache()
+        self._plan = None
 
     @overload
     def __get__(self, obj: None, objtype: type | None = None) -> Lifted[Params, Result]: ...
@@ -542,6 +556,12 @@ def transform(
 
 
 # -- helpers ---------------------------------------------------------------------------
+
+
+def _programs(staged: Any) -> int:
+    """The programs a staged function has compiled: its `_cache_size()` (jax.jit's), else 1."""
+    size = getattr(staged, "_cache_size", None)
+    return size() if callable(size) else 1
 
 
 def _check_graph_mode(**modes: bool | None) -> None:

@@ -22,6 +22,7 @@ assert sharding.spec == P("data")
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from meshlift import compat
 from meshlift.graph import is_graph_leaf, variable_paths
 from meshlift.paths import Path, PlanError, format_path, key_name
 from meshlift.sharding import Spec, StateSharding, as_plan, is_spec, value_shape
@@ -98,11 +100,40 @@ def to_sharding(
     shape = value_shape(value) if value is not None else None
     placed = placement(spec, mesh_shape(mesh) or {}, shape, what)
     if placed.problems:
-        raise PlanError(
+        message = (
             f"cannot shard `{path}` (shape {shape}) with {what} {placed.spec} on mesh "
             f"{placed.mesh_shape}: " + "; ".join(placed.problems)
         )
+        if placed.spec is not None and _repeats_an_axis(placed.spec):
+            raise duplicate_axis_error()(message, mesh, placed.spec)
+        raise PlanError(message)
     return NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
+
+
+def _repeats_an_axis(spec: PartitionSpec) -> bool:
+    axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))]
+    named = [a for a in axes if isinstance(a, str)]
+    return len(set(named)) < len(named)
+
+
+@functools.cache
+def duplicate_axis_error() -> type[PlanError]:
+    """The PlanError for a spec naming a mesh axis twice: also jax's `DuplicateSpecError`,
+    so an `except` written for `jax.jit` catches it."""
+
+    class DuplicateAxisError(PlanError, compat.duplicate_spec_error()):  # type: ignore[misc]
+        __doc__ = duplicate_axis_error.__doc__
+        __module__ = PlanError.__module__
+        __qualname__ = "DuplicateAxisError"
+
+        def __init__(self, message: str, mesh: Any = None, pspec: Any = None):
+            PlanError.__init__(self, message)
+            self.message, self.mesh, self.pspec = message, mesh, pspec  # jax's fields
+
+        def __str__(self) -> str:
+            return self.message
+
+    return DuplicateAxisError
 
 
 def _held_tree(value: Any) -> Any:

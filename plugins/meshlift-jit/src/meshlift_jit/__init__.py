@@ -166,8 +166,26 @@ def jit(
 
 
 def read_specs(in_shardings: Any, out_shardings: Any, options: Mapping[str, Any]) -> ml.Specs:
-    """The specs as given, named as `jax.jit` names them in errors."""
-    return ml.Specs(in_shardings, out_shardings, names=("in_shardings", "out_shardings"))
+    """The specs as given, named as `jax.jit` names them in errors; jax's own `UNSPECIFIED`
+    marker (what `jax.jit` passes for an omitted sharding) reads as None, as in `jax.jit`."""
+    return ml.Specs(
+        _unspecified_as_none(in_shardings),
+        _unspecified_as_none(out_shardings),
+        names=("in_shardings", "out_shardings"),
+    )
+
+
+def _unspecified_as_none(specs: Any) -> Any:
+    def read(spec: Any) -> Any:
+        if type(spec).__name__ == "UnspecifiedValue":  # jax._src.sharding_impls.UNSPECIFIED
+            return None
+        if isinstance(spec, list | tuple) and not isinstance(spec, jax.sharding.PartitionSpec):
+            return type(spec)(map(read, spec))
+        if isinstance(spec, dict):
+            return {key: read(value) for key, value in spec.items()}
+        return spec
+
+    return read(specs)
 
 
 BACKEND = ml.Backend(
