@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -67,3 +68,44 @@ def test_jaxs_unspecified_marker_as_a_sharding_leaf_means_none_as_in_jax_jit():
     assert ml.jit(lambda a: a, in_shardings=[UNSPECIFIED], out_shardings=UNSPECIFIED)(x).shape == (
         4,
     )
+
+
+@pytest.mark.parametrize("stage", ["trace", "lower"])
+def test_stages_trees_are_the_callers_as_in_jax(stage):
+    def f(x, y, *, scale):
+        return {"sum": x + y * scale, "x": x}
+
+    args, kwargs = (1.0, jnp.ones(3)), {"scale": 2.0}
+    theirs = getattr(jax.jit(f), stage)(*args, **kwargs)
+    ours = getattr(ml.jit(f), stage)(*args, **kwargs)
+    assert str(ours.in_tree) == str(theirs.in_tree) == "PyTreeDef(((*, *), {'scale': *}))"
+    assert ours.out_tree == theirs.out_tree
+    if stage == "lower":
+        compiled, reference = ours.compile(), theirs.compile()
+        assert compiled.in_tree == reference.in_tree and compiled.out_tree == reference.out_tree
+
+
+def test_compile_takes_jaxs_device_assignment():
+    device = (jax.devices()[0],)
+    x = jnp.ones(3)
+    theirs = jax.jit(lambda a: a * 2).lower(x).compile(device_assignment=device)
+    ours = ml.jit(lambda a: a * 2).lower(x).compile(device_assignment=device)
+    assert ours(x).devices() == theirs(x).devices() == {jax.devices()[0]}
+
+
+def test_a_compiled_function_called_with_other_dtypes_names_the_argument():
+    def step(scale, model, batch):
+        return model(batch) * scale
+
+    model, batch = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), jnp.ones((1, 2))
+    reference = jax.jit(lambda batch: batch * 2).lower(batch).compile()
+    with pytest.raises(TypeError):  # jax's class for the same mistake
+        reference(batch.astype(jnp.int32))
+    compiled = ml.jit(step, static_argnums=0).lower(2.0, model, batch).compile()
+    with pytest.raises(
+        TypeError,
+        match=r"step was compiled for other argument types: `batch` "
+        r"was float32\[1,2\], is int32\[1,2\]",
+    ):
+        compiled(model, batch.astype(jnp.int32))
+    assert compiled(model, batch).shape == (1, 3)  # still callable with the right types

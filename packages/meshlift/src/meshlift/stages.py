@@ -25,9 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from meshlift import calls
-from meshlift.arguments import insert_statics, named_statics
+from meshlift.arguments import insert_statics, named_statics, original_index
 from meshlift.layout import as_state
+from meshlift.paths import format_path, key_name
 from meshlift.staged_errors import named_errors
 
 
@@ -54,6 +59,16 @@ class _Stage:
     def out_info(self) -> Any:
         return as_output(self._jax_stage.out_info)
 
+    @property
+    def in_tree(self) -> Any:
+        """The structure of `(args, kwargs)` as the caller passed them, statics left out."""
+        return jax.tree.structure(self.in_avals)
+
+    @property
+    def out_tree(self) -> Any:
+        """The structure of the caller's output."""
+        return jax.tree.structure(self.out_info)
+
 
 class Traced(_Stage):
     """JAX's `Traced` for a lifted function; `.lower()` continues to a `Lowered`."""
@@ -78,8 +93,10 @@ class Lowered(_Stage):
     def jax_lowered(self) -> Any:
         return self._jax_stage
 
-    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
-        return Compiled(self._jax_stage.compile(compiler_options), self._entry, self._lifted)
+    def compile(self, compiler_options: dict[str, Any] | None = None, **kwargs: Any) -> Compiled:
+        """JAX's `compile` (`compiler_options`, and its keywords such as `device_assignment`)."""
+        compiled = self._jax_stage.compile(compiler_options, **kwargs)
+        return Compiled(compiled, self._entry, self._lifted)
 
 
 class Compiled(_Stage):
@@ -124,7 +141,40 @@ class Compiled(_Stage):
                 "these arguments differ in structure, shardings or static values from the ones "
                 "this function was compiled for; call .lower(...).compile() again for them"
             )
-        return calls.run(current, self._jax_stage, call)
+        try:
+            return calls.run(current, self._jax_stage, call)
+        except TypeError as error:  # JAX's, about its flat inputs: say it by the caller's paths
+            differ = self._differences(current, call)
+            if not differ:
+                raise
+            raise TypeError(
+                f"{lifted.names.function} was compiled for other argument types: "
+                + "; ".join(differ)
+                + ". Call .lower(...).compile() again for these arguments"
+            ) from error
+
+    def _differences(self, current: Any, call: Any) -> list[str]:
+        """Each argument whose shape or dtype is not what this was compiled for, by path."""
+        compiled = jax.tree_util.tree_flatten_with_path(self.in_avals)[0]
+        inputs = self._layout.as_arguments((calls.placed_inputs(current.layout, call), {}))
+        given = jax.tree.leaves(inputs)
+        out = []
+        for (path, aval), value in zip(compiled, given, strict=True):
+            shape, dtype = np.shape(value), jnp.result_type(value)
+            if (tuple(aval.shape), aval.dtype) != (shape, dtype):
+                now = f"{dtype.name}[{','.join(map(str, shape))}]"
+                out.append(f"`{self._caller_path(path)}` was {aval.str_short()}, is {now}")
+        return out
+
+    def _caller_path(self, path: tuple[Any, ...]) -> str:
+        """`model.linear1.kernel` for a key path into `(args, kwargs)`, statics left out."""
+        group, argument, *inside = path
+        if group.idx == 0:  # positional: the caller's name for it, counting statics
+            index = original_index(argument.idx, self._layout.statics)
+            name = self._lifted.signature.name(index)
+        else:
+            name = key_name(argument)
+        return format_path((name, *map(key_name, inside)))
 
 
 def as_output(tree: Any) -> Any:
