@@ -14,10 +14,13 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.testing import oracle
 
 FLAX = {"with_partitioning": nnx.with_partitioning, "rules": nnx.logical_axis_rules}
 MESHLIFT = {"with_partitioning": ml.with_partitioning, "rules": ml.axis_rules}
@@ -382,3 +385,48 @@ def test_names_set_with_set_metadata_are_mapped_by_an_explicit_rules_argument():
     assert ml.get_partition_spec(holder, rules)["kernel"].get_value() == P("data", None)
     with nnx.logical_axis_rules(rules):  # flax's own reading, for the same Variable
         assert nnx.get_partition_spec(nnx.state(holder))["kernel"].get_value() == P("data", None)
+
+
+# -- generated: meshlift reads names as flax's resolver does ----------------------------------
+
+NAMES = ["data", "model", "embed", "hidden", "mlp", None]
+RULE_AXES = ["data", "model", None, ("data", "model")]
+
+
+@st.composite
+def annotations_and_rules(draw):
+    """Names of a (8, 8) kernel (mesh axes, logical names, None) and rules for some of them."""
+    names = tuple(draw(st.lists(st.sampled_from(NAMES), min_size=2, max_size=2)))
+    if names[0] is not None and names[0] == names[1]:
+        names = (names[0], None)
+    logical = draw(st.lists(st.sampled_from(["embed", "hidden", "mlp", "batch"]), unique=True))
+    rules = [(name, draw(st.sampled_from(RULE_AXES))) for name in logical]
+    return names, rules, draw(st.booleans())
+
+
+def _axes(spec):
+    return [a for e in spec for a in (e if isinstance(e, tuple) else (e,)) if a is not None]
+
+
+@oracle.budget(60)
+@given(annotations_and_rules())
+def test_generated_names_and_rules_read_as_flaxs_resolver_reads_them(case):
+    names, rules, in_context = case
+    init = ml.with_partitioning(nnx.initializers.lecun_normal(), names)
+    layer = nnx.Linear(8, 8, kernel_init=init, rngs=nnx.Rngs(0))
+    with nnx.logical_axis_rules(rules):
+        flax_spec = nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value()
+        ours = ml.get_partition_spec(layer)["kernel"].get_value()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every axis is in the mesh: nothing to report
+        mesh = {"data": 2, "model": 4}
+        if in_context:
+            with ml.axis_rules(rules):
+                plan = ml.StateSharding.from_metadata(layer, mesh=mesh)
+        else:
+            plan = ml.StateSharding.from_metadata(layer, rules, mesh=mesh)
+    planned = plan.spec_for(("kernel",), layer.kernel)
+    assert planned == ours
+    assert len(set(_axes(ours))) == len(_axes(ours))  # never a mesh axis twice
+    if len(set(_axes(flax_spec))) == len(_axes(flax_spec)):
+        assert ours == flax_spec  # where flax's spec is one JAX takes, it is ours

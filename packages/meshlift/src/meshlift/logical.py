@@ -302,14 +302,18 @@ UNASSIGNED = object()  # a logical name no rule has given mesh axes to (yet)
 
 
 def assign(
-    names: tuple[Any, ...], rules: tuple[tuple[str, MeshAxes], ...], mesh: Any
+    names: tuple[Any, ...],
+    rules: tuple[tuple[str, MeshAxes], ...],
+    mesh: Any,
+    taken: tuple[str, ...] = (),
 ) -> tuple[list[Any], list[SkippedRule]]:
     """One entry per dimension (its mesh axes, or `UNASSIGNED` for a name no rule fits), and
     the rules skipped because the mesh lacks their axes.
 
     Entries that are not names (None, `PartitionSpec.UNCONSTRAINED`) are kept as they are.
-    A rule is skipped only where it would have applied: its name's dimension has
-    no axes yet and none of its axes is used by another dimension.
+    `taken` are mesh axes other dimensions already use (named as mesh axes), which no
+    rule may give again. A rule is skipped only where it would have applied: its name's
+    dimension has no axes yet and none of its axes is used by another dimension.
     """
     seen: set[str] = set()
     for name in names:
@@ -321,7 +325,7 @@ def assign(
                 )
             seen.add(name)
     result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-    used: set[str] = set()
+    used: set[str] = set(taken)
     mesh_shape = _mesh_shape(mesh)
     skipped: list[SkippedRule] = []
     for name, axes in rules:

@@ -309,10 +309,17 @@ class Annotated:
                     f"...]):`"
                 )
             return PartitionSpec(*self.names), []
-        assigned, skipped = assign(self.names, effective, mesh)
         # flax NNX: a name no rule names is a mesh axis; one whose rules could not apply
         # (skipped, or its axes taken by another dimension) is replicated, as in linen
         logical = {name for name, _ in effective} if self.kind == "nnx" else set(self.names)
+        literal = tuple(
+            axis
+            for entry in self.names
+            if entry not in logical
+            for axis in (entry if isinstance(entry, tuple) else (entry,))
+            if isinstance(axis, str)
+        )
+        assigned, skipped = assign(self.names, effective, mesh, literal)
         return PartitionSpec(
             *(
                 (None if name in logical else name) if axes is UNASSIGNED else axes
