@@ -608,3 +608,23 @@ def test_nnx_shard_maps_graph_options(data_mesh):
     assert forward(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.ones((8, 4))).shape == (8, 4)
     with pytest.raises(ValueError, match="graph=False asks for flax's tree mode"):
         ml.shard_map(lambda x: x, mesh=data_mesh, in_specs=P(), out_specs=P(), graph=False)
+
+
+def test_a_batch_committed_elsewhere_is_resharded_as_jax_shard_map_does(mesh):
+    """Under ml.use_mesh every eager array is committed replicated; jax.shard_map moves it
+    to in_specs (jax.jit would refuse it), and so does ml.shard_map, stages included."""
+
+    def double(a):
+        return a * 2
+
+    with ml.use_mesh(mesh):
+        x = jnp.arange(16.0).reshape(8, 2)  # committed, P()
+        assert x.sharding.spec == P()
+        theirs = jax.jit(jax.shard_map(double, in_specs=P("data"), out_specs=P("data")))(x)
+        lifted = ml.shard_map(double, in_specs=P("data"), out_specs=P("data"))
+        ours = lifted(x)
+        compiled = lifted.lower(x).compile()
+        np.testing.assert_array_equal(compiled(x), theirs)
+    np.testing.assert_array_equal(ours, theirs)
+    assert ours.sharding == theirs.sharding
+    assert x.sharding.spec == P()  # the caller's array is not changed

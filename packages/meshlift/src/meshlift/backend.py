@@ -215,7 +215,10 @@ class Backend:
     `passes_through_none`, an argument leaf that is not an array and whose
     spec is `None` reaches the function unchanged (a Python `int` stays an
     `int`), compiled per value like a static argument, as `jax.shard_map`
-    passes it.
+    passes it. With `reshards_arguments`, an argument array committed to
+    another sharding than its spec is moved onto it for the call, as
+    `jax.shard_map` does (`jax.jit` refuses it, and so does meshlift by
+    default).
     """
 
     name: str
@@ -231,6 +234,7 @@ class Backend:
     )
     description: str = ""
     passes_through_none: bool = False
+    reshards_arguments: bool = False
 
     @property
     def origin(self) -> str:

@@ -89,16 +89,17 @@ def recover(
     """`staged` raised `error` on `values` (or `placed`): the output of the call made
     again if a Variable was given an array on another sharding since (JAX refuses
     those; it is moved back to the plan's), else `error` raised with the caller's
-    names. Any other argument JAX refuses is named in the error, never moved."""
+    names. Any other argument JAX refuses is named in the error, never moved (unless the
+    backend reshards arguments, as `jax.shard_map` does)."""
     layout = entry.layout
     try:
         if not isinstance(error, ValueError):
             raise error
-        refuse_misplaced_leaves(layout, call)
+        resharded = misplaced_leaves(layout, call)
         moved = onto(placed or values, layout.var_shardings)
-        if moved is None:
+        if moved is None and resharded is call:
             raise error
-        outputs = staged(*layout.inputs(moved, call))
+        outputs = staged(*layout.inputs(moved or placed or values, resharded))
     except Exception as final:
         if layout.donated:
             _note_consumed(layout, final, values)
@@ -128,7 +129,7 @@ def finish(
 
 def placed_inputs(layout: Layout, call: Call) -> tuple[tuple[Any, ...], ...]:
     """The inputs with every Variable on its planned sharding, written nowhere (for stages)."""
-    refuse_misplaced_leaves(layout, call)
+    call = misplaced_leaves(layout, call)
     values = layout.split.gather()
     return layout.inputs(onto(values, layout.var_shardings) or values, call)
 
@@ -138,9 +139,12 @@ def eval_shape(entry: Entry, call: Call) -> Any:
     return abstract_outputs(entry.staged, entry.layout, call)[0]
 
 
-def refuse_misplaced_leaves(layout: Layout, call: Call) -> None:
-    """Refuse, naming it, an argument array committed to a sharding other than its spec's
-    (`jax.jit` refuses it too; meshlift does not move the caller's arrays)."""
+def misplaced_leaves(layout: Layout, call: Call) -> Call:
+    """`call` itself, or, where an argument array is committed to a sharding other than
+    its spec's: a refusal naming it (`jax.jit` refuses it too; meshlift does not move
+    the caller's arrays), or for a backend that reshards arguments as `jax.shard_map`
+    does, a copy of `call` with those arrays resharded onto their specs."""
+    moved: dict[int, jax.Array] = {}
     for pos in layout.dyn_pos:
         leaf, sharding = call.leaves[pos], layout.dyn_shardings[pos]
         if (
@@ -151,6 +155,9 @@ def refuse_misplaced_leaves(layout: Layout, call: Call) -> None:
             or leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
         ):
             continue
+        if layout.reshards_arguments:
+            moved[pos] = jax.device_put(leaf, sharding)
+            continue
         spec = getattr(sharding, "spec", sharding)
         mesh = resolve.mesh_shape(getattr(sharding, "mesh", None))
         raise ValueError(
@@ -160,6 +167,10 @@ def refuse_misplaced_leaves(layout: Layout, call: Call) -> None:
             f"arrays: put it there first (`jax.device_put(x, NamedSharding(mesh, {spec}))`), "
             f"or change its spec"
         )
+    if not moved:
+        return call
+    leaves = [moved.get(i, leaf) for i, leaf in enumerate(call.leaves)]
+    return Call(leaves, call.nodes, call.fixed_structure)
 
 
 def _refuse_shared_donation(layout: Layout, inputs: tuple[tuple[Any, ...], ...]) -> None:

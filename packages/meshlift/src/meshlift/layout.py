@@ -119,8 +119,10 @@ class Layout:
         names: Names,
         specs: tuple[Any, Any] = (None, None),
         passes_through_none: bool = False,
+        reshards_arguments: bool = False,
     ):
         self.treedef, self.statics, self.mesh, self.names = treedef, statics, mesh, names
+        self.reshards_arguments = reshards_arguments  # the backend moves committed arrays
         self.signature = signature
         self.in_specs, self.out_specs = specs
         self.arg_count, self.kwarg_names = len(args), tuple(kwargs)

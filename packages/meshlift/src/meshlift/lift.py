@@ -386,6 +386,7 @@ class Lifted(Generic[Params, Result]):
             names=self.names,
             specs=self.specs.on(mesh),
             passes_through_none=self.backend.passes_through_none,
+            reshards_arguments=self.backend.reshards_arguments,
         )
         staged = self._staged.get(layout.key)
         if staged is None:

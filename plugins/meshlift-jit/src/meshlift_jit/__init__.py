@@ -179,7 +179,11 @@ def _unspecified_as_none(specs: Any) -> Any:
     def read(spec: Any) -> Any:
         if type(spec).__name__ == "UnspecifiedValue":  # jax._src.sharding_impls.UNSPECIFIED
             return None
-        if isinstance(spec, list | tuple) and not isinstance(spec, jax.sharding.PartitionSpec):
+        if isinstance(spec, jax.sharding.PartitionSpec):
+            return spec
+        if isinstance(spec, tuple) and hasattr(spec, "_fields"):  # a NamedTuple, e.g. optax's
+            return type(spec)(*map(read, spec))
+        if isinstance(spec, list | tuple):
             return type(spec)(map(read, spec))
         if isinstance(spec, dict):
             return {key: read(value) for key, value in spec.items()}

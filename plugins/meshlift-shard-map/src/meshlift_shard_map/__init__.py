@@ -203,6 +203,7 @@ BACKEND = ml.Backend(
     capabilities={"manual-collectives", "partial-manual", "vma-gradients", "stages", "donation"},
     description="jax.shard_map under jax.jit: per-device code with hand-written collectives",
     passes_through_none=True,
+    reshards_arguments=True,
 )
 
 
