@@ -15,6 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.annotation import annotated_leaves
+from meshlift.paths import key_name
 
 RULES = (("batch", "data"), ("hidden", "model"))
 
@@ -83,7 +85,7 @@ def annotated_specs(tree):
     """path -> the spec written in the annotation (names as a PartitionSpec)."""
     return {
         item.path: P(*item.names)
-        for item in ml.metadata.annotated_leaves(tree)
+        for item in annotated_leaves(tree)
         if item.names is not None
     }
 
@@ -91,7 +93,7 @@ def annotated_specs(tree):
 def specs_of(tree):
     """path -> the sharding spec of each array (boxes unboxed)."""
     flat = jax.tree_util.tree_flatten_with_path(ml.unbox(tree))[0]
-    return {tuple(ml.metadata.key_name(k) for k in kp): a.sharding.spec for kp, a in flat}
+    return {tuple(key_name(k) for k in kp): a.sharding.spec for kp, a in flat}
 
 
 def test_linen_guide_init_sharded_matches_annotations(mesh):

@@ -31,8 +31,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from meshlift.annotation import annotated_leaves
 from meshlift.mesh import current_mesh
-from meshlift.metadata import annotated_leaves, get_sharding
+from meshlift.metadata import get_sharding
 
 Result = TypeVar("Result")
 

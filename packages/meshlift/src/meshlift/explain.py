@@ -40,9 +40,9 @@ from rich.table import Table
 from rich.text import Text
 
 from meshlift import resolve
+from meshlift.annotation import annotated_leaves
 from meshlift.blocks import Blocks, mesh_of_devices, spec_entry
 from meshlift.mesh import current_mesh
-from meshlift.metadata import annotated_leaves
 from meshlift.paths import PlanError, format_path
 from meshlift.sharding import Spec, StateSharding, as_plan
 from meshlift.specs import spec_axes

@@ -30,7 +30,6 @@ shardings = ml.get_sharding(layer, mesh)      # NamedShardings, checked against 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import sys
@@ -45,18 +44,10 @@ from flax.nnx import spmd as nnx_spmd
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift import compat
-from meshlift.graph import variable_paths
-from meshlift.logical import (
-    UNASSIGNED,
-    Rules,
-    SkippedRule,
-    assign,
-    check_rules,
-    current_rules,
-    report_skipped,
-)
+from meshlift.annotation import Annotated, annotated_leaves, box_value, effective_rules, is_box
+from meshlift.logical import Rules, SkippedRule, check_rules, report_skipped
 from meshlift.mesh import current_mesh
-from meshlift.paths import PlanError, format_path, key_name
+from meshlift.paths import PlanError, format_path
 from meshlift.specs import spec_problems
 
 Path = tuple[Hashable, ...]
@@ -180,7 +171,7 @@ def with_logical_partitioning(
             from flax.linen import spmd as linen_spmd
 
             return linen_spmd.LogicallyPartitioned(value, names, mesh=mesh, rules=rules)
-        if _effective_rules(None, rules):
+        if effective_rules(None, rules):
             value = _place(value, Annotated((), value, None, names, "logical", rules), mesh)
         metadata: dict[str, Any] = {
             "out_sharding": names,
@@ -252,169 +243,6 @@ def _place(value: Any, item: Annotated, mesh: Any) -> Any:
     return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
 
-# -- reading annotations ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Annotated:
-    """One array of a tree: its path, its value (array or ShapeDtypeStruct) and its annotation.
-
-    `holder` is the NNX Variable or flax box around the value (what NNX filters
-    see), else the value itself. `names` is None for an unannotated array.
-    `kind` says what the names mean, as the library that made them means it:
-
-    - `"mesh"`: mesh axes (linen's `nn.Partitioned`, a NamedSharding);
-    - `"nnx"`: a name the rules name is logical, any other a mesh axis (flax
-      NNX's `out_sharding`);
-    - `"logical"`: logical, a name no rule maps replicated (linen's
-      `nn.LogicallyPartitioned`, `ml.with_logical_partitioning`).
-    """
-
-    path: Path
-    value: Any
-    holder: Any
-    names: tuple[Any, ...] | None = None
-    kind: str = "mesh"
-    rules: tuple[tuple[str, Any], ...] | None = None
-    mesh: Any = None
-    within: Path = ()  # where the array sits in a Variable that holds a pytree
-
-    @property
-    def array_path(self) -> Path:
-        """The array's path: the Variable's, and for a Variable holding a pytree, beyond."""
-        return (*self.path, *self.within)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self.value, "shape", ()))
-
-    def resolve(
-        self, rules: Any = None, mesh: Any = None, *, require_rules: bool = True
-    ) -> tuple[PartitionSpec, list[SkippedRule]]:
-        """The mesh spec, and the rules skipped because `mesh` lacks their axes.
-
-        `rules` replace those in context (the parameter's own rules apply first
-        either way). Logical names need rules: without any, a PlanError (or,
-        without `require_rules`, the names themselves, as flax's `get_partition_spec`).
-        """
-        if self.names is None:
-            return PartitionSpec(), []
-        effective = () if self.kind == "mesh" else _effective_rules(rules, self.rules)
-        if not effective:
-            if self.kind == "logical" and require_rules:
-                raise PlanError(
-                    f"`{format_path(self.path)}` (shape {self.shape}) has the logical names "
-                    f"{self.names} but no axis rules are set, so it has no mesh spec; pass "
-                    f"rules=, or wrap the call in `with ml.axis_rules([('hidden', 'model'), "
-                    f"...]):`"
-                )
-            return PartitionSpec(*self.names), []
-        # flax NNX: a name no rule names is a mesh axis; one whose rules could not apply
-        # (skipped, or its axes taken by another dimension) is replicated, as in linen
-        logical = {name for name, _ in effective} if self.kind == "nnx" else set(self.names)
-        literal = tuple(
-            axis
-            for entry in self.names
-            if entry not in logical
-            for axis in (entry if isinstance(entry, tuple) else (entry,))
-            if isinstance(axis, str)
-        )
-        assigned, skipped = assign(self.names, effective, mesh, literal)
-        return PartitionSpec(
-            *(
-                (None if name in logical else name) if axes is UNASSIGNED else axes
-                for name, axes in zip(self.names, assigned, strict=True)
-            )
-        ), skipped
-
-
-def _effective_rules(explicit: Any, local: Any) -> tuple[tuple[str, Any], ...]:
-    """The parameter's own rules, then the explicit rules if given, else those in context."""
-    outer = check_rules(explicit) if explicit is not None else current_rules() or ()
-    return tuple(local or ()) + tuple(outer)
-
-
-def _is_box(x: Any) -> bool:
-    return isinstance(x, flax_meta.AxisMetadata | nnx.Variable)
-
-
-def _box_annotation(x: Any) -> dict[str, Any]:
-    """Names, logical flag, rules and mesh of a flax box or NNX Variable (empty if none)."""
-    if isinstance(x, nnx.Variable):
-        return _nnx_annotation(x.get_metadata())
-    if hasattr(x, "names"):  # nn.Partitioned, nn.LogicallyPartitioned
-        from flax.linen import spmd as linen_spmd
-
-        logical = isinstance(x, linen_spmd.LogicallyPartitioned)
-        return {
-            "names": tuple(x.names),
-            "kind": "logical" if logical else "mesh",
-            "rules": getattr(x, "rules", None),
-            "mesh": x.mesh,
-        }
-    metadata = getattr(x, "metadata", None)
-    if isinstance(x, flax_meta.AxisMetadata) and isinstance(metadata, dict):
-        return _nnx_annotation(metadata)  # bridge.NNXMeta: an NNX Variable's metadata in linen
-    return {}
-
-
-def _nnx_annotation(md: dict[str, Any]) -> dict[str, Any]:
-    sharding = md.get("out_sharding")
-    if not sharding:
-        return {}
-    mesh = md.get("mesh")
-    kind = "logical" if md.get("logical_names") else "nnx"
-    if isinstance(sharding, NamedSharding):
-        mesh, sharding, kind = sharding.mesh, sharding.spec, "mesh"
-    return {
-        "names": tuple(sharding),
-        "kind": kind,
-        "rules": md.get("sharding_rules"),
-        "mesh": mesh,
-    }
-
-
-def _box_value(x: Any) -> Any:
-    if isinstance(x, nnx.Variable):
-        return x.get_raw_value()
-    if isinstance(x, flax_meta.AxisMetadata):
-        unbox: Callable[..., Any] = x.unbox
-        return unbox(apply_constraint=False) if _takes_constraint(x) else unbox()
-    return x
-
-
-def _takes_constraint(box: Any) -> bool:
-    return isinstance(box, flax_meta.Partitioned)
-
-
-def annotated_leaves(tree: Any) -> list[Annotated]:
-    """Every array of `tree` with its path and annotation, in the tree's order.
-
-    NNX graph nodes (modules, optimizers) are read through `nnx.graph.flatten`,
-    so paths are the ones plans and transforms use (`linear1.kernel`).
-    """
-    out = []
-    if graphlib.is_graph_node(tree) or isinstance(tree, nnx.Variable):
-        pairs: list[tuple[Path, Any]] = variable_paths(tree)  # a shared Variable on each path
-    else:
-        with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)
-        pairs = [(tuple(key_name(k) for k in kp), leaf) for kp, leaf in with_paths]
-    for path, leaf in pairs:
-        value = _box_value(leaf) if _is_box(leaf) else leaf
-        if _is_array(value):
-            out.append(Annotated(path, value, leaf, **_box_annotation(leaf)))
-        elif isinstance(leaf, nnx.Variable):  # a Variable holding a pytree: each array of it
-            for keys, array in jax.tree_util.tree_flatten_with_path(value)[0]:
-                if _is_array(array):
-                    within = tuple(key_name(k) for k in keys)
-                    out.append(Annotated(path, array, leaf, within=within, **_box_annotation(leaf)))
-    return out
-
-
-def _is_array(value: Any) -> bool:
-    return hasattr(value, "shape") and hasattr(value, "dtype")
-
-
 # -- tree functions -----------------------------------------------------------------------
 
 
@@ -430,7 +258,7 @@ def _map_boxes(fn: Callable[[Any], Any], tree: Any) -> Any:
             return fn(x)
         return None
 
-    return jax.tree.map(leaf, tree, is_leaf=_is_box)
+    return jax.tree.map(leaf, tree, is_leaf=is_box)
 
 
 def get_partition_spec(tree: Any, rules: Any = None) -> Any:
@@ -473,7 +301,7 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
     """
 
     def spec(x: Any) -> PartitionSpec:
-        item = Annotated((), _box_value(x), x, **_box_annotation(x))
+        item = Annotated.of(x)
         if rules is None and item.kind == "logical" and item.names and hasattr(x, "names"):
             return PartitionSpec(*item.names)  # a linen box: logical, as nn.get_partition_spec
         return item.resolve(rules, require_rules=False)[0]
@@ -540,7 +368,7 @@ def get_sharding(
     report_skipped(skipped_for, strict=strict)
 
     def sharding(x: Any) -> NamedSharding:
-        item = Annotated((), _box_value(x), x, **_box_annotation(x))
+        item = Annotated.of(x)
         return NamedSharding(mesh, item.resolve(rules, mesh)[0])
 
     return _map_boxes(sharding, tree)
@@ -569,10 +397,10 @@ def unbox(tree: Any) -> Any:
         if isinstance(x, nnx.Variable):
             return unbox(x.get_value())
         if isinstance(x, flax_meta.AxisMetadata):
-            return unbox(_box_value(x))
+            return unbox(box_value(x))
         return x
 
-    return jax.tree.map(leaf, tree, is_leaf=_is_box)
+    return jax.tree.map(leaf, tree, is_leaf=is_box)
 
 
 def replace_boxed(tree: Any, updates: Any) -> Any:
@@ -599,7 +427,7 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
         nnx.update(tree, state)
         return tree
     if isinstance(tree, nnx.State):
-        state = jax.tree.map(lambda v: v, tree, is_leaf=_is_box)
+        state = jax.tree.map(lambda v: v, tree, is_leaf=is_box)
         nnx.replace_by_pure_dict(state, updates)
         return state
 
@@ -607,10 +435,10 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
         if isinstance(x, nnx.Variable):
             return x.replace(new)
         if isinstance(x, flax_meta.AxisMetadata):
-            return x.replace_boxed(replace_boxed(_box_value(x), new))
+            return x.replace_boxed(replace_boxed(box_value(x), new))
         return new
 
-    return jax.tree.map(leaf, tree, updates, is_leaf=_is_box)
+    return jax.tree.map(leaf, tree, updates, is_leaf=is_box)
 
 
 def add_axis(tree: Any, index: int, axis_name: str | None) -> Any:
@@ -668,4 +496,4 @@ def _axis_op(tree: Any, index: int, axis_name: str | None, *, add: bool) -> Any:
             return x.add_axis(index, params) if add else x.remove_axis(index, params)
         return x
 
-    return jax.tree.map(leaf, tree, is_leaf=_is_box)
+    return jax.tree.map(leaf, tree, is_leaf=is_box)

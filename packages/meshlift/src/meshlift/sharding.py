@@ -20,15 +20,14 @@ the module it describes (`in_shardings=(plan, P("data"))`).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
+from meshlift.annotation import annotated_leaves
+from meshlift.logical import Rules, SkippedRule, report_skipped
 from meshlift.paths import Path, PlanError, format_path
-
-if TYPE_CHECKING:
-    from meshlift.logical import Rules
 
 Spec: TypeAlias = PartitionSpec | Sharding | None
 
@@ -231,9 +230,6 @@ class StateSharding:
         loss = step(model, optimizer, jnp.ones((8, 16)))
         ```
         """
-        from meshlift.logical import SkippedRule, report_skipped
-        from meshlift.metadata import annotated_leaves  # metadata imports this module
-
         pairs = []
         skipped_for: dict[SkippedRule, list[str]] = {}
         seen: set[Path] = set()  # a Variable holding a pytree is met at each of its arrays
