@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -100,12 +101,40 @@ def test_demo_exits_nonzero_when_backends_disagree(capsys, monkeypatch):
     assert "the backends do not agree" in captured.err
 
 
-def test_demo_tables(capsys):
+def test_demo_tables(monkeypatch):
+    # Piped: a header first, then a plain line per backend as it finishes (each already
+    # written when the next backend starts training), then the tables.
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    written_at_start = []
+    real_train = demo.train
+
+    def train(backend, *args):
+        written_at_start.append(out.getvalue())
+        return real_train(backend, *args)
+
+    monkeypatch.setattr(demo, "train", train)
     assert demo.main(["--steps", "2", "--mesh", "data=4,model=2", "--sample", "12"]) == 0
-    out = capsys.readouterr().out
-    for name in [b.name for b in ml.backends()]:
+    out = out.getvalue()
+    order = demo._default_backends()  # jit first
+    assert written_at_start[0].startswith("meshlift demo: 2 training steps of a character")
+    for i, done in enumerate(order[:-1]):
+        assert f"{done}: 2 steps, loss " in written_at_start[i + 1], written_at_start
+    assert out.index(f"{order[-1]}: 2 steps, loss ") < out.index("Δparameter")
+    assert "nan" not in out
+    for name in order:
         assert name in out
-    assert "Δparameter" in out and "agree with jit to 1e-05" in out
+    words = " ".join(out.split())
+    # one sentence for however many backends agree; the loss says what it is
+    assert "pjit and shard_map agree with jit to 1e-05" in out and "all 3" not in out
+    assert "(cross-entropy," in out and "nats)" in out  # the column header, folded
+    # the plan's table is what every backend ran, shard_map included, in the same units
+    assert "replicate every parameter" not in out
+    assert "every backend's parameters above follow it" in words
+    total = re.search(r"total per device: ([0-9.]+ [KM]?i?B) of", out)
+    assert total, out
+    jit_row = next(line for line in out.splitlines() if line.startswith("│ jit "))
+    assert jit_row.split("│")[-2].strip() == total.group(1), jit_row
     assert "blocks.0.up.kernel" in out and "P(None, 'model')" in out  # the explain table
     # last, the sample: the prompt and the 12 characters the model wrote after it
     intro = f"the jit backend's model writes, after the prompt {demo.PROMPT!r}"
@@ -120,6 +149,9 @@ def test_demo_tables_fold_in_80_columns(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
+    # one backend agrees with nothing: the summary says so rather than "all 1 backends"
+    assert "jit is the only backend that ran" in " ".join(out.split())
+    assert "backends agree" not in out
 
 
 @pytest.mark.parametrize(
@@ -155,3 +187,55 @@ def test_demo_too_few_devices_exits_nonzero():
     )
     assert proc.returncode == 1, proc.stderr
     assert "needs 8 devices, but JAX has 2 cpu device(s)" in proc.stderr
+
+
+def test_progress_bar_says_compiling_until_the_first_step_returns():
+    """Not "0/20 loss nan": to a JAX user nan means divergence."""
+    from rich.console import Console
+
+    bars = demo._Bars(Console(file=io.StringIO(), force_terminal=True, width=100))
+
+    def shown() -> str:
+        console = Console(file=io.StringIO(), width=100)
+        console.print(bars.bars.get_renderable())
+        return console.file.getvalue()
+
+    bars.start("jit", 20)
+    assert "compiling…" in shown() and "0/20" in shown() and "nan" not in shown()
+    bars.step(2.5)
+    assert "loss 2.5000" in shown() and "1/20" in shown() and "compiling" not in shown()
+
+
+def test_demo_raises_the_simulated_device_count_to_the_mesh():
+    """As `meshlift plan` does: no XLA_FLAGS set, a 16-device mesh gets 16 devices."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    argv = ["demo", "--mesh", "data=4,model=4", "--steps", "1", "--backends", "jit"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from meshlift.cli import main; sys.exit(main(sys.argv[1:]))",
+            *argv,
+            "--sample",
+            "0",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["mesh"] == {"data": 4, "model": 4} and result["agree"]
+
+
+def test_too_few_devices_blames_what_set_the_count(monkeypatch):
+    needed = {"data": 4, "model": 4}
+    monkeypatch.setattr(demo, "_USER_DEVICE_COUNT", False)  # the demo chose the count
+    message = demo._too_few_devices(needed, 16, 8)
+    assert "already created its devices" in message and "ask for 16" in message
+    assert "XLA_FLAGS (" not in message  # no flag the user never set is blamed
+    monkeypatch.setattr(demo, "_USER_DEVICE_COUNT", True)
+    message = demo._too_few_devices(needed, 16, 8)
+    assert "sets the count, and the demo leaves a count you set alone" in message

@@ -310,6 +310,11 @@ PLAN_MODELS = """
         dense = nn.Dense(32, kernel_init=ml.with_logical_partitioning(
             nn.initializers.lecun_normal(), ("embed", "hidden")))
         return dense.init(jax.random.key(0), jnp.ones((2, 16)))
+
+    def make_linen_mlp():
+        dense = nn.Dense(32, kernel_init=ml.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "mlp")))
+        return dense.init(jax.random.key(0), jnp.ones((2, 16)))
 """
 
 
@@ -343,6 +348,22 @@ def test_plan_with_rules_file_and_json(plan_models, capsys):
     specs = {row["path"]: row["spec"] for row in data["rows"]}
     assert specs == {"params.bias": [], "params.kernel": [None, "model"]}
     assert data["problems"] == []
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_plan_without_rules_hints_at_a_rules_file_of_the_models_own_names(
+    plan_models, capsys, as_json
+):
+    argv = ["plan", "plan_models_cli:make_linen_mlp", "--mesh", "data=2,model=4"]
+    assert main(argv + ["--json"] * as_json) == 1
+    captured = capsys.readouterr()
+    out, err = " ".join(captured.out.split()), " ".join(captured.err.split())
+    # the command line's advice, not Python's, and no name the model lacks
+    for text in (out, err):
+        assert "ml.axis_rules" not in text and "hidden" not in text
+    assert "it has the logical names ('embed', 'mlp') but no --rules map them to mesh axes" in out
+    assert err.startswith("hint: pass --rules FILE")
+    assert '[["embed", null], ["mlp", null]]' in err and "(data or model)" in err
 
 
 def test_plan_reports_a_rule_naming_an_axis_the_mesh_lacks(plan_models, capsys):

@@ -123,6 +123,12 @@ def test_logical_annotations_explained_with_rules_or_flagged_without():
     assert "no axis rules are set" in dict(report.problems)["w"]
 
 
+def test_missing_rules_advice_names_the_arrays_own_logical_names():
+    tree = {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((8, 16), jnp.float32), ("a", "b"))}
+    problem = dict(ml.explain(tree, None, {"data": 2, "model": 4}).problems)["w"]
+    assert "e.g. [('b', 'model')], or use ml.axis_rules" in problem
+
+
 def test_explain_needs_a_mesh():
     with pytest.raises(TypeError, match="explain needs a mesh"):
         ml.explain({"a": jnp.ones(2)})

@@ -204,6 +204,9 @@ def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool, show
             f"m.{target.partition(':')[2]}()'",
         ) from None
     report = ml.explain(tree, rules, mesh_shape)
+    names: list[str] = []
+    if rules is None:
+        report, names = _rules_needed(tree, report, mesh_shape)
     if not report.rows:
         raise UserError(
             f"{target}() returned no arrays (a {type(tree).__name__})",
@@ -222,7 +225,51 @@ def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool, show
         for layout in layouts:
             console.print()
             console.print(layout)
+    if names:
+        print(f"hint: {_rules_hint(names, mesh_shape)}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def _rules_needed(tree: Any, report: Any, mesh_shape: dict[str, int]) -> tuple[Any, list[str]]:
+    """The report in the command line's words where logical names have no rules, and the
+    model's logical names that need them.
+
+    `ml.explain` gives Python advice there (rules as the plan, or `ml.axis_rules`); here the
+    rules come from `--rules FILE`.
+    """
+    import dataclasses
+
+    from meshlift.explain import needs_rules
+    from meshlift.metadata import annotated_leaves
+    from meshlift.paths import format_path
+
+    advice = {
+        format_path(item.array_path): (needs_rules(item, mesh_shape), item.names)
+        for item in annotated_leaves(tree)
+        if item.kind == "logical" and item.names is not None
+    }
+    names: list[str] = []
+    rows = []
+    for row in report.rows:
+        python, logical = advice.get(row.path, (None, ()))
+        if python in row.problems:
+            names += [n for n in logical if isinstance(n, str)]
+            ours = f"it has the logical names {logical} but no --rules map them to mesh axes"
+            problems = tuple(ours if p == python else p for p in row.problems)
+            row = dataclasses.replace(row, problems=problems)
+        rows.append(row)
+    return dataclasses.replace(report, rows=tuple(rows)), list(dict.fromkeys(names))
+
+
+def _rules_hint(names: list[str], mesh_shape: dict[str, int]) -> str:
+    """Pass --rules FILE: an example file from the model's own logical names."""
+    example = json.dumps([[name, None] for name in names])
+    axes = " or ".join(mesh_shape)
+    return (
+        f"pass --rules FILE, a JSON list that maps the model's logical names to mesh axes, "
+        f"e.g. a rules.json of {example} with a mesh axis ({axes}) in place of each null "
+        f"you want sharded (null: replicated)"
+    )
 
 
 def _simulate_devices(mesh_shape: dict[str, int]) -> None:

@@ -14,9 +14,13 @@ capability `manual-collectives`) are manual over `data` only
 run the same step on one shard of the batch, the loss averaged over `data`
 by `jax.lax.pmean` inside the differentiated function.
 
-Then it prints, per backend, the final loss, the largest difference of any
-parameter from the `jit` backend's, the median step time and the parameter
-bytes per device, and `ml.explain`'s table of the plan; last, a sample of text
+It first prints a line saying what it is about to run; while it trains, a
+progress bar per backend in a terminal (its status reads "compiling…" until the
+first step returns), or, piped, one line per backend as it finishes. Then it
+prints, per backend, the loss (cross-entropy, in nats) at the first and last
+steps, the largest difference of any parameter from the `jit` backend's, the
+median step time and the parameter bytes per device (in the units of the next
+table), and `ml.explain`'s table of the plan; last, a sample of text
 the trained model writes, decoded greedily from a prompt by the same lifted
 model (`generate`). It exits with status 1 if any backend's parameters differ
 from `jit`'s by more than 1e-5.
@@ -36,11 +40,15 @@ import os
 
 # Simulate 8 CPU devices (on any machine, GPUs included: the demo is about the mesh, not
 # speed). XLA reads these when JAX first creates its devices, so they must be set before
-# anything touches them; main() checks that they were in time and says why if not.
+# anything touches them; main() raises the count for a larger --mesh, checks that it was in
+# time and says why if not. A count the user set is left alone.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+    _USER_DEVICE_COUNT = False
+else:
+    _USER_DEVICE_COUNT = True
 if "JAX_PLATFORMS" not in os.environ:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -48,6 +56,7 @@ import argparse
 import importlib.resources
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -62,7 +71,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.explain import _size as _bytes  # the units of ml.explain's table
 
+DEVICES = 8  # simulated CPU devices, unless a --mesh needs more (or the user chose a count)
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 VOCAB = 128  # bytes of ASCII text
 EMBED, HEADS, MLP, LAYERS = 64, 8, 256, 2
 SEQ, BATCH = 32, 16
@@ -189,7 +201,7 @@ def train(
     mesh: jax.sharding.Mesh,
     seed: int,
     batches: list[tuple[np.ndarray, np.ndarray]],
-    progress: Any,
+    progress: Progress,
 ) -> tuple[CharTransformer, dict[str, Any], dict[str, np.ndarray]]:
     """Train with one backend; returns the model, its results and its parameters by path."""
     manual = "manual-collectives" in backend.capabilities
@@ -203,32 +215,30 @@ def train(
         out_specs=P(),
         **(MANUAL_AXES if manual else {}),
     )
-    task = progress.add_task(backend.name, total=len(batches), loss=float("nan"))
+    progress.start(backend.name, len(batches))
     losses, seconds = [], []
     with ml.use_mesh(mesh):  # pjit takes the mesh from the call site
         for tokens, targets in batches:
             start = time.perf_counter()
             losses.append(float(step(model, optimizer, tokens, targets)))
             seconds.append(time.perf_counter() - start)
-            progress.update(task, advance=1, loss=losses[-1])
+            progress.step(losses[-1])
     params = parameter_rows(model, plan, mesh)
     arrays = {_dotted(path): np.asarray(p.get_value()) for path, p in _flat_params(model)}
-    return (
-        model,
-        {
-            "backend": backend.name,
-            "capabilities": sorted(backend.capabilities),
-            "plan": "tensor-parallel, manual over data" if manual else "tensor-parallel",
-            "first_loss": losses[0],
-            "final_loss": losses[-1],
-            "losses": losses,
-            "first_step_s": round(seconds[0], 4),  # tracing and compiling
-            "median_step_ms": round(1e3 * statistics.median(seconds[1:] or seconds), 3),
-            "param_bytes_per_device": sum(row["bytes_per_device"] for row in params),
-            "params": params,
-        },
-        arrays,
-    )
+    result = {
+        "backend": backend.name,
+        "capabilities": sorted(backend.capabilities),
+        "plan": "tensor-parallel, manual over data" if manual else "tensor-parallel",
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "losses": losses,
+        "first_step_s": round(seconds[0], 4),  # tracing and compiling
+        "median_step_ms": round(1e3 * statistics.median(seconds[1:] or seconds), 3),
+        "param_bytes_per_device": sum(row["bytes_per_device"] for row in params),
+        "params": params,
+    }
+    progress.finish(result)
+    return model, result, arrays
 
 
 def _flat_params(model: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
@@ -300,9 +310,11 @@ def run(
 
     Then the reference backend's model writes `sample` characters after `PROMPT`.
     """
+    progress = _progress(show)
+    progress.header(backend_names, mesh_axes, steps)
     mesh = ml.make_mesh(mesh_axes, devices=jax.devices()[: math.prod(mesh_axes.values())])
     batches = make_batches(seed, steps)
-    with _progress(show) as progress:
+    with progress:
         runs = [
             train(ml.get_backend(name), mesh, seed, batches, progress) for name in backend_names
         ]
@@ -330,35 +342,136 @@ def run(
 
 
 # -- output ---------------------------------------------------------------------------------
-def _progress(show: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class Progress:
+    """What the demo shows while it trains: here, nothing (`--json`).
 
-    return Progress(
-        TextColumn("[bold]{task.description:>10}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeElapsedColumn(),
-        disable=not show,
-    )
+    `header` says what is about to run, before anything compiles; then, per backend,
+    `start`, a `step` per step with its loss, and `finish` with the backend's results.
+    """
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def header(self, backends: list[str], mesh: dict[str, int], steps: int) -> None:
+        pass
+
+    def start(self, backend: str, steps: int) -> None:
+        pass
+
+    def step(self, loss: float) -> None:
+        pass
+
+    def finish(self, result: dict[str, Any]) -> None:
+        pass
 
 
-def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
+class _Lines(Progress):
+    """Plain lines, each flushed at once (stdout piped or redirected): a header, then one
+    line per backend as it finishes."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+
+    def _print(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+        self.console.file.flush()
+
+    def header(self, backends: list[str], mesh: dict[str, int], steps: int) -> None:
+        self._print(
+            f"meshlift demo: {_count(steps, 'training step')} of a character-level "
+            f"transformer on mesh {_mesh_str(mesh)}, with each backend in turn: "
+            f"{', '.join(backends)} (a backend's first step compiles the train step: seconds)"
+        )
+
+    def finish(self, result: dict[str, Any]) -> None:
+        steps = len(result["losses"])
+        then = f", then {result['median_step_ms']:.1f} ms a step" if steps > 1 else ""
+        self._print(
+            f"{result['backend']:>10}: {_count(steps, 'step')}, loss {result['first_loss']:.3f}"
+            f" → {result['final_loss']:.3f}, first step {result['first_step_s']:.1f} s "
+            f"(compiling){then}"
+        )
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+COMPILING = "compiling…"  # the progress bar's status until a backend's first step returns
+
+
+class _Bars(_Lines):
+    """A terminal: the header, then a live progress bar per backend. Its status reads
+    "compiling…" until the backend's first step returns, then that step's loss."""
+
+    def __init__(self, console: Any) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.progress import Progress as Bars
+
+        super().__init__(console)
+        self.bars = Bars(
+            TextColumn("[bold]{task.description:>10}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.task: Any = None
+
+    def __enter__(self) -> Progress:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.stop()
+
+    def start(self, backend: str, steps: int) -> None:
+        self.task = self.bars.add_task(backend, total=steps, status=COMPILING)
+
+    def step(self, loss: float) -> None:
+        self.bars.update(self.task, advance=1, status=f"loss {loss:.4f}")
+
+    def finish(self, result: dict[str, Any]) -> None:
+        pass  # the bar stays, full
+
+
+def _progress(show: bool) -> Progress:
+    if not show:
+        return Progress()
+    console = _console()
+    return _Bars(console) if console.is_terminal else _Lines(console)
+
+
+def _console() -> Any:
     from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
 
     # Piped (as under nox), rich assumes 80 columns, which wraps the tables: allow 120, unless
     # $COLUMNS says otherwise. Narrower, the tables fold their cells, never cut them with "…".
     wide = sys.stdout.isatty() or "COLUMNS" in os.environ
-    console = Console(width=None if wide else 120)
+    return Console(width=None if wide else 120)
+
+
+def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    console = _console()
     table = Table(
         title=f"{result['steps']} steps of a character-level transformer on mesh "
         f"{_mesh_str(result['mesh'])}, seed {result['seed']}"
     )
     table.add_column("backend")
     table.add_column("plan")
-    table.add_column("loss", justify="right")
+    table.add_column("loss (cross-entropy, nats)", justify="right")
     table.add_column(f"max |Δparameter| vs {result['reference']}", justify="right")
     table.add_column("median step", justify="right")
     table.add_column("first step (compile)", justify="right")
@@ -372,20 +485,14 @@ def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
             f"[{'green' if ok else 'bold red'}]{r['max_abs_diff']:.1e}[/]",
             f"{r['median_step_ms']:.1f} ms",
             f"{r['first_step_s']:.1f} s",
-            f"{r['param_bytes_per_device']:,}",
+            _bytes(r["param_bytes_per_device"]),
         )
     for column in table.columns:
         column.overflow = "fold"
     console.print(table)
     if result["agree"]:
-        console.print(
-            f"[green]all {len(result['backends'])} backends agree with "
-            f"{result['reference']} to {result['tolerance']:g}[/]"
-        )
-    console.print(
-        "\nthe tensor-parallel plan (what the auto-partitioning backends ran; "
-        "per-shard backends replicate every parameter):"
-    )
+        console.print(f"[green]{_agreement(result)}[/]")
+    console.print(f"\n{_plan_intro(result)}")
     console.print(explanation)
     if result["sample"] is not None:
         sample = result["sample"]
@@ -400,6 +507,37 @@ def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
         console.print(Text(sample["prompt"], style="dim") + written)
 
 
+def _agreement(result: dict[str, Any]) -> str:
+    """What agreeing means for the backends that ran: one has nothing to agree with."""
+    others = [r["backend"] for r in result["backends"] if r["backend"] != result["reference"]]
+    if not others:
+        return (
+            f"{result['reference']} is the only backend that ran, so there is nothing to compare "
+            f"(--backends jit,pjit,shard_map runs more)"
+        )
+    names = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
+    verb = "agrees" if len(others) == 1 else "agree"
+    return f"{names} {verb} with {result['reference']} to {result['tolerance']:g}"
+
+
+def _plan_intro(result: dict[str, Any]) -> str:
+    """The line above the plan's table: whose parameters it describes, checked."""
+    backends = result["backends"]
+    off = [r["backend"] for r in backends if not all(p["matches_plan"] for p in r["params"])]
+    manual = [r["backend"] for r in backends if "manual-collectives" in r["capabilities"]]
+    follow = (
+        f"the parameters of {', '.join(off)} do NOT follow it"
+        if off
+        else "every backend's parameters above follow it"
+    )
+    if manual:
+        follow += (
+            f"; {', '.join(manual)} {'runs' if len(manual) == 1 else 'run'} per-shard code, "
+            "manual over data only, so the compiler keeps the model split"
+        )
+    return f"the tensor-parallel plan ({follow}):"
+
+
 def _disagreement(result: dict[str, Any]) -> str:
     bad = [r for r in result["backends"] if r["max_abs_diff"] > result["tolerance"]]
     return "; ".join(
@@ -407,25 +545,44 @@ def _disagreement(result: dict[str, Any]) -> str:
     )
 
 
-def _too_few_devices(mesh: dict[str, int], needed: int, available: int) -> str:
+def _simulate_devices(needed: int) -> None:
+    """Ask XLA for `needed` simulated CPU devices when a mesh needs more than the demo's 8.
+
+    As `meshlift plan` does: a count the user set is left alone, and the flag takes effect
+    only if JAX has not created its devices yet in this process (`_too_few_devices` says why
+    when it had).
+    """
     flags = os.environ.get("XLA_FLAGS", "")
-    if f"xla_force_host_platform_device_count={available}" in flags:
+    if not _USER_DEVICE_COUNT and needed > DEVICES:
+        os.environ["XLA_FLAGS"] = re.sub(
+            rf"{DEVICE_COUNT_FLAG}=\d+", f"{DEVICE_COUNT_FLAG}={needed}", flags
+        )
+
+
+def _too_few_devices(mesh: dict[str, int], needed: int, available: int) -> str:
+    platform = jax.default_backend()
+    flags = os.environ.get("XLA_FLAGS", "")
+    smaller = f"or pass a --mesh whose sizes multiply to at most {available}"
+    if platform != "cpu":
         why = (
-            f"XLA_FLAGS ({flags!r}) asks for {available}, and the demo leaves a count you set "
-            "alone; unset it"
+            f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r} chooses them, and the "
+            f"demo simulates CPU devices only when JAX_PLATFORMS is unset. Unset it, {smaller}"
+        )
+    elif _USER_DEVICE_COUNT:
+        why = (
+            f"XLA_FLAGS ({flags!r}) sets the count, and the demo leaves a count you set "
+            f"alone. Unset it (the demo then asks for {needed}), {smaller}"
         )
     else:
         why = (
-            "JAX had already created its devices in this process before the demo could ask "
-            "for 8 simulated CPU devices (XLA reads "
-            "XLA_FLAGS=--xla_force_host_platform_device_count only then)"
+            f"JAX had already created its devices in this process before the demo could ask "
+            f"for {needed} simulated CPU devices (XLA reads "
+            f"XLA_FLAGS={DEVICE_COUNT_FLAG} only then). Run the demo in a fresh process "
+            f"(`meshlift demo`), {smaller}"
         )
     return (
         f"meshlift demo: the mesh {_mesh_str(mesh)} needs {needed} devices, but JAX has "
-        f"{available} {jax.default_backend()} device(s): {why}. Run the demo in a fresh process "
-        f"(`meshlift demo`, or JAX_PLATFORMS=cpu "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} python -m meshlift.demo), "
-        f"or pass a --mesh whose sizes multiply to at most {available}."
+        f"{available} {platform} device(s): {why}."
     )
 
 
@@ -526,7 +683,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     # A mesh needs its devices, and XLA_FLAGS only counts before JAX creates its devices.
-    needed, available = math.prod(args.mesh.values()), jax.device_count()
+    needed = math.prod(args.mesh.values())
+    _simulate_devices(needed)
+    available = jax.device_count()
     if needed > available:
         print(_too_few_devices(args.mesh, needed, available), file=sys.stderr)
         return 1

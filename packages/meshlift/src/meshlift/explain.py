@@ -302,7 +302,7 @@ def _placed(
             matched.add(index)
             spec = plan.rules[index][2]
     except PlanError as error:
-        problem = str(error) if plan is not None else _needs_rules(item)
+        problem = str(error) if plan is not None else needs_rules(item, mesh_shape)
         return resolve.Placement(PartitionSpec(), mesh_shape, (problem,)), None
     own = spec.mesh if isinstance(spec, NamedSharding) else None
     placed = resolve.placement(spec, mesh_shape, item.shape)
@@ -317,10 +317,15 @@ def _placed(
     return placed, own if isinstance(own, Mesh) else None
 
 
-def _needs_rules(item: Any) -> str:
+def needs_rules(item: Any, mesh_shape: Mapping[str, int]) -> str:
+    """The problem of an array with logical names and no rules: Python advice, with an
+    example rule built from the array's own names and the mesh's axes (`meshlift plan`
+    gives its own, for --rules)."""
+    names = [n for n in item.names if isinstance(n, str)]
+    example = f"[({names[-1]!r}, {list(mesh_shape)[-1]!r})]" if names and mesh_shape else "[...]"
     return (
         f"it has the logical names {item.names} but no axis rules are set; pass the "
-        f"rules as the plan, e.g. [('hidden', 'model')], or use ml.axis_rules"
+        f"rules as the plan, e.g. {example}, or use ml.axis_rules"
     )
 
 
