@@ -83,11 +83,7 @@ def mesh():
 
 def annotated_specs(tree):
     """path -> the spec written in the annotation (names as a PartitionSpec)."""
-    return {
-        item.path: P(*item.names)
-        for item in annotated_leaves(tree)
-        if item.names is not None
-    }
+    return {item.path: P(*item.names) for item in annotated_leaves(tree) if item.names is not None}
 
 
 def specs_of(tree):
