@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import meshlift as ml
-from meshlift import demo
+from meshlift import demo, demo_display
 
 STEPS = "8"
 
@@ -193,7 +193,7 @@ def test_progress_bar_says_compiling_until_the_first_step_returns():
     """Not "0/20 loss nan": to a JAX user nan means divergence."""
     from rich.console import Console
 
-    bars = demo._Bars(Console(file=io.StringIO(), force_terminal=True, width=100))
+    bars = demo_display.Bars(Console(file=io.StringIO(), force_terminal=True, width=100))
 
     def shown() -> str:
         console = Console(file=io.StringIO(), width=100)

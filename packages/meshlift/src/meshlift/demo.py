@@ -71,7 +71,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift.explain import _size as _bytes  # the units of ml.explain's table
+from meshlift.demo_display import Progress, disagreement, make_progress, mesh_str, print_tables
 
 DEVICES = 8  # simulated CPU devices, unless a --mesh needs more (or the user chose a count)
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -310,7 +310,7 @@ def run(
 
     Then the reference backend's model writes `sample` characters after `PROMPT`.
     """
-    progress = _progress(show)
+    progress = make_progress(show)
     progress.header(backend_names, mesh_axes, steps)
     mesh = ml.make_mesh(mesh_axes, devices=jax.devices()[: math.prod(mesh_axes.values())])
     batches = make_batches(seed, steps)
@@ -339,210 +339,6 @@ def run(
         if text is None
         else {"backend": reference, "prompt": PROMPT, "text": text, "decoding": "greedy"},
     }, explanation
-
-
-# -- output ---------------------------------------------------------------------------------
-class Progress:
-    """What the demo shows while it trains: here, nothing (`--json`).
-
-    `header` says what is about to run, before anything compiles; then, per backend,
-    `start`, a `step` per step with its loss, and `finish` with the backend's results.
-    """
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def header(self, backends: list[str], mesh: dict[str, int], steps: int) -> None:
-        pass
-
-    def start(self, backend: str, steps: int) -> None:
-        pass
-
-    def step(self, loss: float) -> None:
-        pass
-
-    def finish(self, result: dict[str, Any]) -> None:
-        pass
-
-
-class _Lines(Progress):
-    """Plain lines, each flushed at once (stdout piped or redirected): a header, then one
-    line per backend as it finishes."""
-
-    def __init__(self, console: Any) -> None:
-        self.console = console
-
-    def _print(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
-        self.console.file.flush()
-
-    def header(self, backends: list[str], mesh: dict[str, int], steps: int) -> None:
-        self._print(
-            f"meshlift demo: {_count(steps, 'training step')} of a character-level "
-            f"transformer on mesh {_mesh_str(mesh)}, with each backend in turn: "
-            f"{', '.join(backends)} (a backend's first step compiles the train step: seconds)"
-        )
-
-    def finish(self, result: dict[str, Any]) -> None:
-        steps = len(result["losses"])
-        then = f", then {result['median_step_ms']:.1f} ms a step" if steps > 1 else ""
-        self._print(
-            f"{result['backend']:>10}: {_count(steps, 'step')}, loss {result['first_loss']:.3f}"
-            f" → {result['final_loss']:.3f}, first step {result['first_step_s']:.1f} s "
-            f"(compiling){then}"
-        )
-
-
-def _count(n: int, thing: str) -> str:
-    return f"{n} {thing}{'' if n == 1 else 's'}"
-
-
-COMPILING = "compiling…"  # the progress bar's status until a backend's first step returns
-
-
-class _Bars(_Lines):
-    """A terminal: the header, then a live progress bar per backend. Its status reads
-    "compiling…" until the backend's first step returns, then that step's loss."""
-
-    def __init__(self, console: Any) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-        from rich.progress import Progress as Bars
-
-        super().__init__(console)
-        self.bars = Bars(
-            TextColumn("[bold]{task.description:>10}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        self.task: Any = None
-
-    def __enter__(self) -> Progress:
-        self.bars.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bars.stop()
-
-    def start(self, backend: str, steps: int) -> None:
-        self.task = self.bars.add_task(backend, total=steps, status=COMPILING)
-
-    def step(self, loss: float) -> None:
-        self.bars.update(self.task, advance=1, status=f"loss {loss:.4f}")
-
-    def finish(self, result: dict[str, Any]) -> None:
-        pass  # the bar stays, full
-
-
-def _progress(show: bool) -> Progress:
-    if not show:
-        return Progress()
-    console = _console()
-    return _Bars(console) if console.is_terminal else _Lines(console)
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    # Piped (as under nox), rich assumes 80 columns, which wraps the tables: allow 120, unless
-    # $COLUMNS says otherwise. Narrower, the tables fold their cells, never cut them with "…".
-    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
-    return Console(width=None if wide else 120)
-
-
-def _print_tables(result: dict[str, Any], explanation: ml.Explanation) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    console = _console()
-    table = Table(
-        title=f"{result['steps']} steps of a character-level transformer on mesh "
-        f"{_mesh_str(result['mesh'])}, seed {result['seed']}"
-    )
-    table.add_column("backend")
-    table.add_column("plan")
-    table.add_column("loss (cross-entropy, nats)", justify="right")
-    table.add_column(f"max |Δparameter| vs {result['reference']}", justify="right")
-    table.add_column("median step", justify="right")
-    table.add_column("first step (compile)", justify="right")
-    table.add_column("parameter bytes/device", justify="right")
-    for r in result["backends"]:
-        ok = r["max_abs_diff"] <= result["tolerance"]
-        table.add_row(
-            r["backend"],
-            r["plan"],
-            f"{r['first_loss']:.3f} → {r['final_loss']:.3f}",
-            f"[{'green' if ok else 'bold red'}]{r['max_abs_diff']:.1e}[/]",
-            f"{r['median_step_ms']:.1f} ms",
-            f"{r['first_step_s']:.1f} s",
-            _bytes(r["param_bytes_per_device"]),
-        )
-    for column in table.columns:
-        column.overflow = "fold"
-    console.print(table)
-    if result["agree"]:
-        console.print(f"[green]{_agreement(result)}[/]")
-    console.print(f"\n{_plan_intro(result)}")
-    console.print(explanation)
-    if result["sample"] is not None:
-        sample = result["sample"]
-        console.print(
-            f"\nthe {sample['backend']} backend's model writes, after the prompt "
-            f"{sample['prompt']!r} (greedy decoding, {len(sample['text'])} characters):"
-        )
-        # On one line: a newline the model wrote shows as ⏎, another control character (an
-        # undertrained model writes some) as · (the JSON has the text as it is).
-        shown = "".join("⏎" if c == "\n" else c if c.isprintable() else "·" for c in sample["text"])
-        written = Text(shown, style="bold")
-        console.print(Text(sample["prompt"], style="dim") + written)
-
-
-def _agreement(result: dict[str, Any]) -> str:
-    """What agreeing means for the backends that ran: one has nothing to agree with."""
-    others = [r["backend"] for r in result["backends"] if r["backend"] != result["reference"]]
-    if not others:
-        return (
-            f"{result['reference']} is the only backend that ran, so there is nothing to compare "
-            f"(--backends jit,pjit,shard_map runs more)"
-        )
-    names = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
-    verb = "agrees" if len(others) == 1 else "agree"
-    return f"{names} {verb} with {result['reference']} to {result['tolerance']:g}"
-
-
-def _plan_intro(result: dict[str, Any]) -> str:
-    """The line above the plan's table: whose parameters it describes, checked."""
-    backends = result["backends"]
-    off = [r["backend"] for r in backends if not all(p["matches_plan"] for p in r["params"])]
-    manual = [r["backend"] for r in backends if "manual-collectives" in r["capabilities"]]
-    follow = (
-        f"the parameters of {', '.join(off)} do NOT follow it"
-        if off
-        else "every backend's parameters above follow it"
-    )
-    if manual:
-        follow += (
-            f"; {', '.join(manual)} {'runs' if len(manual) == 1 else 'run'} per-shard code, "
-            "manual over data only, so the compiler keeps the model split"
-        )
-    return f"the tensor-parallel plan ({follow}):"
-
-
-def _disagreement(result: dict[str, Any]) -> str:
-    bad = [r for r in result["backends"] if r["max_abs_diff"] > result["tolerance"]]
-    return "; ".join(
-        f"{r['backend']} differs from {result['reference']} by {r['max_abs_diff']:.2e}" for r in bad
-    )
 
 
 def _simulate_devices(needed: int) -> None:
@@ -581,16 +377,12 @@ def _too_few_devices(mesh: dict[str, int], needed: int, available: int) -> str:
             f"(`meshlift demo`), {smaller}"
         )
     return (
-        f"meshlift demo: the mesh {_mesh_str(mesh)} needs {needed} devices, but JAX has "
+        f"meshlift demo: the mesh {mesh_str(mesh)} needs {needed} devices, but JAX has "
         f"{available} {platform} device(s): {why}."
     )
 
 
 # -- command line ---------------------------------------------------------------------------
-def _mesh_str(axes: dict[str, int]) -> str:
-    return " × ".join(f"{name}={size}" for name, size in axes.items())
-
-
 def _mesh_arg(text: str) -> dict[str, int]:
     try:
         axes = {name.strip(): int(size) for name, size in (p.split("=") for p in text.split(","))}
@@ -696,10 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        _print_tables(result, explanation)
+        print_tables(result, explanation)
     if not result["agree"]:
         print(
-            f"meshlift demo: the backends do not agree to {TOLERANCE:g}: {_disagreement(result)}",
+            f"meshlift demo: the backends do not agree to {TOLERANCE:g}: {disagreement(result)}",
             file=sys.stderr,
         )
         return 1
