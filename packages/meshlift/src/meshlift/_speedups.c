@@ -107,7 +107,12 @@ read_all(PyObject *descriptor, PyObject *objects)
             Py_DECREF(out);
             return NULL;
         }
-        PyTuple_SetItem(out, i, value); /* cannot fail: a new tuple, i in range */
+        /* limited API: PyTuple_SetItem refuses a tuple that another reference reaches
+         * (the descriptor may have run any code, gc.get_objects() say) */
+        if (PyTuple_SetItem(out, i, value) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
     }
     return out;
 }
@@ -521,7 +526,10 @@ items_at(PyObject *items, PyObject *positions)
             Py_DECREF(out);
             return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
         }
-        PyTuple_SetItem(out, k, Py_NewRef(item)); /* cannot fail: a new tuple, k in range */
+        if (PyTuple_SetItem(out, k, Py_NewRef(item)) < 0) { /* as in read_all */
+            Py_DECREF(out);
+            return NULL;
+        }
     }
     return out;
 }
@@ -654,7 +662,10 @@ plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(inputs);
             return group;
         }
-        PyTuple_SetItem(inputs, g, group); /* cannot fail: a new tuple, g in range */
+        if (PyTuple_SetItem(inputs, g, group) < 0) { /* as in read_all */
+            Py_DECREF(inputs);
+            return NULL;
+        }
     }
     int alone = donated_alone(PyTuple_GetItem(inputs, 0), PyTuple_GetItem(inputs, 1),
                               PyTuple_GetItem(inputs, 2), PyTuple_GetItem(inputs, 3));
