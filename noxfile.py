@@ -261,6 +261,12 @@ plan = speedups.CallPlan(**{name: () if name in tuples else None for name in fie
     "types": (Node,), "node_positions": (0,), "node_refs": (weakref.ref(node),),
     "unchanged": lambda: True})
 assert speedups.plan_matches(plan, (node,)) and not speedups.plan_matches(plan, (Node(),))
+singletons = (None, True, False)  # each return takes a reference (a crash on 3.11 if not)
+before = list(map(sys.getrefcount, singletons))
+for _ in range(1000):
+    speedups.write_each(slot, boxes, (1.0, 2.0)), speedups.read_each_is(slot, boxes, ())
+    speedups.plan_matches(plan, (node,)), speedups.plan_matches(plan, (Node(),))
+assert all(abs(sys.getrefcount(o) - n) < 100 for o, n in zip(singletons, before))
 print("meshlift._speedups runs on Python", sys.version.split()[0])
 """
 

@@ -32,6 +32,18 @@
 #include <string.h> /* strcmp */
 #include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY: in the limited API */
 
+/* Limited API: the headers of CPython 3.12 before 3.12.11 and 3.13 before 3.13.4 define
+ * Py_RETURN_NONE/TRUE/FALSE without taking a reference even for the limited API of 3.11
+ * (CPython gh-134989), so a module built by one of them would drop a reference to None,
+ * True or False on each return when run on 3.11, and crash it. These always take one
+ * (a no-op on the immortal singletons of 3.12 and later). */
+#undef Py_RETURN_NONE
+#undef Py_RETURN_TRUE
+#undef Py_RETURN_FALSE
+#define Py_RETURN_NONE return Py_NewRef(Py_None)
+#define Py_RETURN_TRUE return Py_NewRef(Py_True)
+#define Py_RETURN_FALSE return Py_NewRef(Py_False)
+
 /* Raise `exception` with the message `format` (as PyErr_Format's) followed by the name of
  * obj's type. Limited API: a type's tp_name is out of reach; PyType_GetName gives its
  * __name__, the same for builtins and classes written in Python (a static type of another
