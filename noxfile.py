@@ -234,40 +234,85 @@ def third_party(session: nox.Session, example: str) -> None:
     session.run("pytest", f"{path}/tests", *session.posargs, env=XLA_ENV)
 
 
+# The Pythons meshlift supports; one wheel of the core installs on each (see `wheels`).
+PYTHONS = sorted({python for python, _ in COMPAT.values()})
+# The tag of that wheel: its C extension uses only CPython's stable ABI (abi3) as of 3.11.
+CORE_WHEEL_TAG = ("cp311", "abi3")
+
+# Loads a wheel's meshlift._speedups (the file named in argv[1]) on a bare interpreter,
+# without meshlift or its dependencies, and runs a loop, a weak reference and a CallPlan.
+ABI3_SMOKE = """
+import importlib.util, inspect, sys, weakref
+spec = importlib.util.spec_from_file_location("meshlift._speedups", sys.argv[1])
+speedups = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(speedups)
+class Box:
+    __slots__ = ("item",)
+class Node:
+    pass
+slot, boxes, node = inspect.getattr_static(Box, "item"), (Box(), Box()), Node()
+speedups.write_each(slot, boxes, (1.0, 2.0))
+assert speedups.read_each(slot, boxes) == (1.0, 2.0)
+assert speedups.same_dicts((weakref.ref(node),), (vars(node),))
+tuples = {"types", "node_positions", "node_refs", "variables", "dyn_positions",
+          "donated_variables", "donated_dyn_positions", "changed", "targets"}
+fields = [name for name in dir(speedups.CallPlan) if not name.startswith("_")]
+plan = speedups.CallPlan(**{name: () if name in tuples else None for name in fields} | {
+    "types": (Node,), "node_positions": (0,), "node_refs": (weakref.ref(node),),
+    "unchanged": lambda: True})
+assert speedups.plan_matches(plan, (node,)) and not speedups.plan_matches(plan, (Node(),))
+singletons = (None, True, False)  # each return takes a reference (a crash on 3.11 if not)
+before = list(map(sys.getrefcount, singletons))
+for _ in range(1000):
+    speedups.write_each(slot, boxes, (1.0, 2.0)), speedups.read_each_is(slot, boxes, ())
+    speedups.plan_matches(plan, (node,)), speedups.plan_matches(plan, (Node(),))
+assert all(abs(sys.getrefcount(o) - n) < 100 for o, n in zip(singletons, before))
+print("meshlift._speedups runs on Python", sys.version.split()[0])
+"""
+
+
 @nox.session(tags=["wheels"])
 def wheels(session: nox.Session) -> None:
-    """Build the four sdists and wheels, install the wheels into this clean venv, check them.
+    """Build the four sdists and wheels into dist/, install the wheels here, check them.
 
     Each wheel is built from its sdist (so a file missing from an sdist fails here),
     each carries the LICENSE, the core's carries its C loops (`meshlift._speedups`), and
     `meshlift --version` run from the installed wheels lists the core and the three
-    backends with their version and license.
+    backends with their version and license. The core's wheel is tagged cp311-abi3, so
+    pip takes it on every supported Python (asked offline, for each); its extension
+    is loaded and run on each of those Pythons found on PATH (python3.12, ...).
     """
-    import shutil
     import tarfile
     import zipfile
-    from pathlib import Path
 
-    dist = Path(session.create_tmp()) / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
+    dist = Path("dist")
+    ours = {Path(path).name.replace("-", "_") for path in PACKAGES.values()}
+
+    def built_here() -> list[Path]:  # this session's outputs in dist/, not other files
+        return sorted(p for p in dist.glob("*") if p.name.split("-")[0] in ours)
+
+    for stale in built_here():
+        stale.unlink()
     session.install("-c", "constraints.txt", "build")
     for path in PACKAGES.values():
         session.run("python", "-m", "build", "--outdir", str(dist), path, silent=True)
-    built = sorted(p.name for p in dist.iterdir())
-    session.log(f"built in {dist}: {', '.join(built)}")
-    for sdist in dist.glob("*.tar.gz"):
+    built = built_here()
+    session.log(f"built in {dist.resolve()}: {', '.join(p.name for p in built)}")
+    for sdist in (p for p in built if p.name.endswith(".tar.gz")):
         with tarfile.open(sdist) as archive:
             if not any(Path(name).name == "LICENSE" for name in archive.getnames()):
                 session.error(f"{sdist.name} has no LICENSE")
-    for wheel in dist.glob("*.whl"):
+    wheel_files = [p for p in built if p.suffix == ".whl"]
+    for wheel in wheel_files:
         if not any(
             n.endswith(".dist-info/licenses/LICENSE") for n in zipfile.ZipFile(wheel).namelist()
         ):
             session.error(f"{wheel.name} has no .dist-info/licenses/LICENSE")
     if len(built) != 2 * len(PACKAGES):
         session.error(f"expected a wheel and an sdist for each of {list(PACKAGES.values())}")
+    check_core_wheel(session, next(p for p in wheel_files if p.name.startswith("meshlift-")))
 
-    session.install("-c", "constraints.txt", *(str(wheel) for wheel in dist.glob("*.whl")))
+    session.install("-c", "constraints.txt", *map(str, wheel_files))
     compiled = "from meshlift import speedups; assert speedups.COMPILED, 'no meshlift._speedups'"
     session.run("python", "-c", compiled)
     listing = session.run("meshlift", "--version", silent=True, stderr=None)
@@ -278,6 +323,46 @@ def wheels(session: nox.Session) -> None:
         fields = lines.get(name, [])
         if len(fields) < 3 or fields[2] != "Apache-2.0":
             session.error(f"`meshlift --version` should list {name} with its license: {fields}")
+
+
+def check_core_wheel(session: nox.Session, wheel: Path) -> None:
+    """The core's wheel is tagged cp311-abi3 and carries its extension as an abi3 module;
+    pip takes it on each of PYTHONS; the extension runs on each that is on PATH."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    tag = tuple(wheel.name.removesuffix(".whl").split("-")[2:4])
+    if tag != CORE_WHEEL_TAG:
+        session.error(
+            f"{wheel.name}: expected the tag {'-'.join(CORE_WHEEL_TAG)} (one wheel for every "
+            f"supported Python), got {'-'.join(tag)}"
+        )
+    names = zipfile.ZipFile(wheel).namelist()
+    extensions = [
+        n for n in names if n.startswith("meshlift/_speedups.") and n.endswith((".so", ".pyd"))
+    ]
+    if len(extensions) != 1 or not extensions[0].endswith((".abi3.so", ".pyd")):
+        session.error(f"{wheel.name} should carry meshlift/_speedups.abi3.so: {extensions}")
+    tmp = Path(session.create_tmp())
+    for python in PYTHONS:  # offline: --no-deps, and the wheel is a local file
+        session.run(
+            *("python", "-m", "pip", "install", "--dry-run", "--no-deps", "--quiet"),
+            *("--only-binary=:all:", "--implementation", "cp", "--python-version", python),
+            *("--target", str(tmp / "pip-target"), str(wheel)),
+            silent=True,
+        )
+    session.log(f"pip takes {wheel.name} on Python {', '.join(PYTHONS)}")
+    module = Path(zipfile.ZipFile(wheel).extract(extensions[0], tmp / "extension"))
+    smoke = tmp / "abi3_smoke.py"
+    smoke.write_text(ABI3_SMOKE)
+    for python in PYTHONS:
+        command = f"python{python}"
+        found = shutil.which(command)  # a pyenv shim is found, and fails if not enabled
+        if not found or subprocess.run([found, "-c", ""], capture_output=True).returncode:
+            session.log(f"no working {command} on PATH: the extension is not run on it")
+            continue
+        session.run(found, str(smoke.resolve()), str(module.resolve()), external=True)
 
 
 # The benchmarks run on Python 3.12, where dict watchers make the per-call structure

@@ -6,11 +6,65 @@
  * results; that module picks this one when it was built. Every loop runs over
  * tuples (immutable) or exact dicts; only a key that is not the same object as
  * before is compared by `==`, as Python's own list comparison does.
+ *
+ * It is built against CPython's limited API for 3.11 (the stable ABI, "abi3"), so one
+ * wheel runs on Python 3.11 and every later CPython. What that costs, each marked
+ * "limited API" below: tuple items are read and set through PyTuple_GetItem/SetItem
+ * (function calls that check their arguments) rather than the macros that index the
+ * tuple's array; a type's slots are read with PyType_GetSlot; CallPlan is a heap type
+ * made from a spec, found through the module's state rather than as a static object.
+ *
+ * Every tuple these functions index is checked to be a tuple (their arguments, or a
+ * CallPlan's fields when it is made), or made here, and every index is in range, so
+ * PyTuple_GetItem cannot fail there and its result is not checked; a position read from
+ * a tuple of ints is checked (item_at).
  */
 #define PY_SSIZE_T_CLEAN
+/* Set by the build too (packages/meshlift/pyproject.toml): the oldest CPython the
+ * compiled module runs on, 3.11. */
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030B0000
+#endif
 #include <Python.h>
+#include <stdarg.h>
 #include <stddef.h>
-#include <structmember.h>
+#include <stdlib.h> /* qsort, bsearch: Python.h leaves them out under the limited API */
+#include <string.h> /* strcmp */
+#include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY: in the limited API */
+
+/* Limited API: the headers of CPython 3.12 before 3.12.11 and 3.13 before 3.13.4 define
+ * Py_RETURN_NONE/TRUE/FALSE without taking a reference even for the limited API of 3.11
+ * (CPython gh-134989), so a module built by one of them would drop a reference to None,
+ * True or False on each return when run on 3.11, and crash it. These always take one
+ * (a no-op on the immortal singletons of 3.12 and later). */
+#undef Py_RETURN_NONE
+#undef Py_RETURN_TRUE
+#undef Py_RETURN_FALSE
+#define Py_RETURN_NONE return Py_NewRef(Py_None)
+#define Py_RETURN_TRUE return Py_NewRef(Py_True)
+#define Py_RETURN_FALSE return Py_NewRef(Py_False)
+
+/* Raise `exception` with the message `format` (as PyErr_Format's) followed by the name of
+ * obj's type. Limited API: a type's tp_name is out of reach; PyType_GetName gives its
+ * __name__, the same for builtins and classes written in Python (a static type of another
+ * extension is named without its module). */
+static void
+error_naming_type(PyObject *exception, PyObject *obj, const char *format, ...)
+{
+    va_list va;
+    va_start(va, format);
+    PyObject *message = PyUnicode_FromFormatV(format, va);
+    va_end(va);
+    if (message == NULL) {
+        return;
+    }
+    PyObject *name = PyType_GetName(Py_TYPE(obj));
+    if (name != NULL) {
+        PyErr_Format(exception, "%U%U", message, name);
+        Py_DECREF(name);
+    }
+    Py_DECREF(message);
+}
 
 /* Whether the call has one argument per name, each named one a tuple (names[k] NULL:
  * any object); else -1 with a TypeError naming the function and the argument. */
@@ -25,21 +79,22 @@ check_args(const char *function, PyObject *const *args, Py_ssize_t nargs, Py_ssi
     }
     for (Py_ssize_t k = 0; k < expected; k++) {
         if (names[k] != NULL && !PyTuple_CheckExact(args[k])) {
-            PyErr_Format(PyExc_TypeError, "%s(): %s must be a tuple, not %.200s", function,
-                         names[k], Py_TYPE(args[k])->tp_name);
+            error_naming_type(PyExc_TypeError, args[k], "%s(): %s must be a tuple, not ",
+                              function, names[k]);
             return -1;
         }
     }
     return 0;
 }
 
+/* The descriptor's __get__ in C (limited API: read with PyType_GetSlot, which takes
+ * static types too since 3.10); NULL with a TypeError if it has none. */
 static descrgetfunc
 getter_of(PyObject *descriptor)
 {
-    descrgetfunc get = Py_TYPE(descriptor)->tp_descr_get;
-    if (get == NULL) {
-        PyErr_Format(PyExc_TypeError, "expected a descriptor, got %.200s",
-                     Py_TYPE(descriptor)->tp_name);
+    descrgetfunc get = (descrgetfunc)PyType_GetSlot(Py_TYPE(descriptor), Py_tp_descr_get);
+    if (get == NULL && !PyErr_Occurred()) {
+        error_naming_type(PyExc_TypeError, descriptor, "expected a descriptor, got ");
     }
     return get;
 }
@@ -52,19 +107,24 @@ read_all(PyObject *descriptor, PyObject *objects)
     if (get == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(objects);
+    Py_ssize_t n = PyTuple_Size(objects);
     PyObject *out = PyTuple_New(n);
     if (out == NULL) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *obj = PyTuple_GET_ITEM(objects, i);
+        PyObject *obj = PyTuple_GetItem(objects, i);
         PyObject *value = get(descriptor, obj, (PyObject *)Py_TYPE(obj));
         if (value == NULL) {
             Py_DECREF(out);
             return NULL;
         }
-        PyTuple_SET_ITEM(out, i, value);
+        /* limited API: PyTuple_SetItem refuses a tuple that another reference reaches
+         * (the descriptor may have run any code, gc.get_objects() say) */
+        if (PyTuple_SetItem(out, i, value) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
     }
     return out;
 }
@@ -93,17 +153,17 @@ read_each_is(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (get == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(objects);
-    if (PyTuple_GET_SIZE(expected) != n) {
+    Py_ssize_t n = PyTuple_Size(objects);
+    if (PyTuple_Size(expected) != n) {
         Py_RETURN_FALSE;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *obj = PyTuple_GET_ITEM(objects, i);
+        PyObject *obj = PyTuple_GetItem(objects, i);
         PyObject *value = get(descriptor, obj, (PyObject *)Py_TYPE(obj));
         if (value == NULL) {
             return NULL;
         }
-        int same = value == PyTuple_GET_ITEM(expected, i);
+        int same = value == PyTuple_GetItem(expected, i);
         Py_DECREF(value);
         if (!same) {
             Py_RETURN_FALSE;
@@ -123,15 +183,15 @@ same_dicts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *holders = args[0], *dicts = args[1];
-    Py_ssize_t n = PyTuple_GET_SIZE(holders);
-    if (PyTuple_GET_SIZE(dicts) != n) {
+    Py_ssize_t n = PyTuple_Size(holders);
+    if (PyTuple_Size(dicts) != n) {
         Py_RETURN_FALSE;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *holder = PyTuple_GET_ITEM(holders, i);
+        PyObject *holder = PyTuple_GetItem(holders, i);
         PyObject *dict;
         if (PyWeakref_CheckRefExact(holder)) {
-#if PY_VERSION_HEX >= 0x030D0000
+#if Py_LIMITED_API + 0 >= 0x030D0000 /* see refers_to */
             PyObject *referent;
             if (PyWeakref_GetRef(holder, &referent) < 0) {
                 return NULL;
@@ -155,7 +215,7 @@ same_dicts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (dict == NULL) {
             return NULL;
         }
-        int same = dict == PyTuple_GET_ITEM(dicts, i);
+        int same = dict == PyTuple_GetItem(dicts, i);
         Py_DECREF(dict);
         if (!same) {
             Py_RETURN_FALSE;
@@ -169,20 +229,23 @@ same_dicts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static int
 write_all(const char *function, PyObject *descriptor, PyObject *objects, PyObject *values)
 {
-    descrsetfunc set = Py_TYPE(descriptor)->tp_descr_set;
+    /* limited API: the slot is read with PyType_GetSlot, as in getter_of */
+    descrsetfunc set = (descrsetfunc)PyType_GetSlot(Py_TYPE(descriptor), Py_tp_descr_set);
     if (set == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s(): expected a data descriptor, got %.200s", function,
-                     Py_TYPE(descriptor)->tp_name);
+        if (!PyErr_Occurred()) {
+            error_naming_type(PyExc_TypeError, descriptor,
+                              "%s(): expected a data descriptor, got ", function);
+        }
         return -1;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(objects);
-    if (PyTuple_GET_SIZE(values) != n) {
+    Py_ssize_t n = PyTuple_Size(objects);
+    if (PyTuple_Size(values) != n) {
         PyErr_Format(PyExc_ValueError, "%s(): %zd objects but %zd values", function, n,
-                     PyTuple_GET_SIZE(values));
+                     PyTuple_Size(values));
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (set(descriptor, PyTuple_GET_ITEM(objects, i), PyTuple_GET_ITEM(values, i)) < 0) {
+        if (set(descriptor, PyTuple_GetItem(objects, i), PyTuple_GetItem(values, i)) < 0) {
             return -1;
         }
     }
@@ -214,32 +277,31 @@ same_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *dicts = args[0], *sizes = args[1], *keys = args[2], *values = args[3];
-    Py_ssize_t n = PyTuple_GET_SIZE(dicts), total = PyTuple_GET_SIZE(keys);
-    if (PyTuple_GET_SIZE(sizes) != n || PyTuple_GET_SIZE(values) != total) {
+    Py_ssize_t n = PyTuple_Size(dicts), total = PyTuple_Size(keys);
+    if (PyTuple_Size(sizes) != n || PyTuple_Size(values) != total) {
         Py_RETURN_FALSE;
     }
     Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *dict = PyTuple_GET_ITEM(dicts, i);
+        PyObject *dict = PyTuple_GetItem(dicts, i);
         if (!PyDict_CheckExact(dict)) {
-            PyErr_Format(PyExc_TypeError, "same_items(): expected dicts, got %.200s",
-                         Py_TYPE(dict)->tp_name);
+            error_naming_type(PyExc_TypeError, dict, "same_items(): expected dicts, got ");
             return NULL;
         }
-        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, i));
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GetItem(sizes, i));
         if (size == -1 && PyErr_Occurred()) {
             return NULL;
         }
-        if (PyDict_GET_SIZE(dict) != size || at + size > total) {
+        if (PyDict_Size(dict) != size || at + size > total) {
             Py_RETURN_FALSE;
         }
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (PyDict_Next(dict, &pos, &key, &value)) {
-            if (value != PyTuple_GET_ITEM(values, at)) {
+            if (value != PyTuple_GetItem(values, at)) {
                 Py_RETURN_FALSE;
             }
-            PyObject *old_key = PyTuple_GET_ITEM(keys, at);
+            PyObject *old_key = PyTuple_GetItem(keys, at);
             if (key != old_key) {  /* attribute names: equal strings; else == as Python does */
                 Py_INCREF(key);
                 int equal = PyObject_RichCompareBool(key, old_key, Py_EQ);
@@ -303,8 +365,8 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                      &f[16])) {
         return NULL;
     }
-    Py_ssize_t given = kwargs == NULL ? 0 : PyDict_GET_SIZE(kwargs);
-    if (PyTuple_GET_SIZE(args) != 0 || given != PLAN_FIELDS) {
+    Py_ssize_t given = kwargs == NULL ? 0 : PyDict_Size(kwargs);
+    if (PyTuple_Size(args) != 0 || given != PLAN_FIELDS) {
         PyErr_Format(PyExc_TypeError, "CallPlan() takes its %d fields by keyword, each once",
                      PLAN_FIELDS);
         return NULL;
@@ -315,13 +377,15 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     for (int k = 0; k < PLAN_FIELDS; k++) {
         for (size_t t = 0; t < sizeof(tuples) / sizeof(tuples[0]); t++) {
             if (strcmp(plan_members[k].name, tuples[t]) == 0 && !PyTuple_CheckExact(f[k])) {
-                PyErr_Format(PyExc_TypeError, "CallPlan(): %s must be a tuple, not %.200s",
-                             tuples[t], Py_TYPE(f[k])->tp_name);
+                error_naming_type(PyExc_TypeError, f[k], "CallPlan(): %s must be a tuple, not ",
+                                  tuples[t]);
                 return NULL;
             }
         }
     }
-    CallPlan *plan = (CallPlan *)type->tp_alloc(type, 0);
+    /* limited API: the type's tp_alloc, read with PyType_GetSlot */
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    CallPlan *plan = alloc == NULL ? NULL : (CallPlan *)alloc(type, 0);
     if (plan == NULL) {
         return NULL;
     }
@@ -334,6 +398,7 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static int
 plan_traverse(CallPlan *plan, visitproc visit, void *arg)
 {
+    Py_VISIT(Py_TYPE((PyObject *)plan)); /* a heap type: each instance holds a reference to it */
     for (int k = 0; k < PLAN_FIELDS; k++) {
         Py_VISIT(*plan_field(plan, k));
     }
@@ -352,35 +417,54 @@ plan_clear(CallPlan *plan)
 static void
 plan_dealloc(CallPlan *plan)
 {
+    PyTypeObject *type = Py_TYPE((PyObject *)plan);
     PyObject_GC_UnTrack(plan);
     plan_clear(plan);
-    Py_TYPE(plan)->tp_free((PyObject *)plan);
+    /* limited API: the type's tp_free, read with PyType_GetSlot */
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(plan);
+    Py_DECREF(type); /* a heap type: the reference its instance held */
 }
 
-static PyTypeObject CallPlanType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "meshlift._speedups.CallPlan",
-    .tp_doc = "What a repeated call of one lifted function needs (see meshlift.speedups).",
-    .tp_basicsize = sizeof(CallPlan),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = plan_new,
-    .tp_dealloc = (destructor)plan_dealloc,
-    .tp_traverse = (traverseproc)plan_traverse,
-    .tp_clear = (inquiry)plan_clear,
-    .tp_members = plan_members,
+/* limited API: a heap type made from this spec when the module is executed, one per
+ * module object (kept in its state), instead of a static PyTypeObject. Immutable like a
+ * static type: no attribute of CallPlan can be set or deleted, and it has no subclasses. */
+static PyType_Slot plan_slots[] = {
+    {Py_tp_doc, "What a repeated call of one lifted function needs (see meshlift.speedups)."},
+    {Py_tp_new, plan_new},
+    {Py_tp_dealloc, plan_dealloc},
+    {Py_tp_traverse, plan_traverse},
+    {Py_tp_clear, plan_clear},
+    {Py_tp_members, plan_members},
+    {0, NULL},
 };
 
-/* The plan (borrowed) if `args` are a CallPlan and a tuple; else NULL, TypeError set. */
+static PyType_Spec plan_spec = {
+    .name = "meshlift._speedups.CallPlan",
+    .basicsize = sizeof(CallPlan),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = plan_slots,
+};
+
+/* The module's state: its CallPlan type. */
+typedef struct {
+    PyTypeObject *plan_type;
+} module_state;
+
+/* The plan (borrowed) if `args` are a CallPlan (of this module) and a tuple; else NULL,
+ * TypeError set. */
 static CallPlan *
-plan_of(const char *function, PyObject *const *args, Py_ssize_t nargs, const char *second)
+plan_of(PyObject *module, const char *function, PyObject *const *args, Py_ssize_t nargs,
+        const char *second)
 {
     const char *const names[] = {NULL, second};
     if (check_args(function, args, nargs, 2, names) < 0) {
         return NULL;
     }
-    if (!Py_IS_TYPE(args[0], &CallPlanType)) {
-        PyErr_Format(PyExc_TypeError, "%s(): expected a CallPlan, got %.200s", function,
-                     Py_TYPE(args[0])->tp_name);
+    module_state *state = PyModule_GetState(module);
+    if (!Py_IS_TYPE(args[0], state->plan_type)) {
+        error_naming_type(PyExc_TypeError, args[0], "%s(): expected a CallPlan, got ",
+                          function);
         return NULL;
     }
     return (CallPlan *)args[0];
@@ -395,7 +479,7 @@ item_at(PyObject *tuple, PyObject *index)
     if (i == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    return 0 <= i && i < PyTuple_GET_SIZE(tuple) ? PyTuple_GET_ITEM(tuple, i) : NULL;
+    return 0 <= i && i < PyTuple_Size(tuple) ? PyTuple_GetItem(tuple, i) : NULL;
 }
 
 /* Whether `result` (a new reference, released here; or NULL with an error set) is
@@ -416,11 +500,15 @@ is_expected(PyObject *result, PyObject *expected, PyObject *expected_error)
     return same;
 }
 
-/* 1 if the weak reference `ref` refers to `obj`, 0 if not (or dead), -1 on error. */
+/* 1 if the weak reference `ref` refers to `obj`, 0 if not (or dead), -1 on error.
+ * Limited API: PyWeakref_GetRef is in it from 3.13 on. Which Python a build targets is
+ * Py_LIMITED_API, not the headers' version: a module built by 3.13 for 3.11 must not call
+ * it. Before 3.13, PyWeakref_GetObject (a borrowed reference; deprecated in 3.13, but every
+ * CPython keeps it in the stable ABI) is used, as in same_dicts. */
 static int
 refers_to(PyObject *ref, PyObject *obj)
 {
-#if PY_VERSION_HEX >= 0x030D0000
+#if Py_LIMITED_API + 0 >= 0x030D0000
     PyObject *referent;
     if (PyWeakref_GetRef(ref, &referent) < 0) {
         return -1;
@@ -439,18 +527,21 @@ refers_to(PyObject *ref, PyObject *obj)
 static PyObject *
 items_at(PyObject *items, PyObject *positions)
 {
-    Py_ssize_t m = PyTuple_GET_SIZE(positions);
+    Py_ssize_t m = PyTuple_Size(positions);
     PyObject *out = PyTuple_New(m);
     if (out == NULL) {
         return NULL;
     }
     for (Py_ssize_t k = 0; k < m; k++) {
-        PyObject *item = item_at(items, PyTuple_GET_ITEM(positions, k));
+        PyObject *item = item_at(items, PyTuple_GetItem(positions, k));
         if (item == NULL) {
             Py_DECREF(out);
             return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
         }
-        PyTuple_SET_ITEM(out, k, Py_NewRef(item));
+        if (PyTuple_SetItem(out, k, Py_NewRef(item)) < 0) { /* as in read_all */
+            Py_DECREF(out);
+            return NULL;
+        }
     }
     return out;
 }
@@ -468,7 +559,7 @@ static int
 donated_alone(PyObject *kept_vars, PyObject *kept_dyn, PyObject *donated_vars,
               PyObject *donated_dyn)
 {
-    Py_ssize_t n_vars = PyTuple_GET_SIZE(donated_vars), n = n_vars + PyTuple_GET_SIZE(donated_dyn);
+    Py_ssize_t n_vars = PyTuple_Size(donated_vars), n = n_vars + PyTuple_Size(donated_dyn);
     if (n == 0) {
         return 1;
     }
@@ -478,8 +569,8 @@ donated_alone(PyObject *kept_vars, PyObject *kept_dyn, PyObject *donated_vars,
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        donated[i] = i < n_vars ? PyTuple_GET_ITEM(donated_vars, i)
-                                : PyTuple_GET_ITEM(donated_dyn, i - n_vars);
+        donated[i] = i < n_vars ? PyTuple_GetItem(donated_vars, i)
+                                : PyTuple_GetItem(donated_dyn, i - n_vars);
     }
     qsort(donated, (size_t)n, sizeof(PyObject *), compare_addresses);
     int alone = 1;
@@ -488,8 +579,8 @@ donated_alone(PyObject *kept_vars, PyObject *kept_dyn, PyObject *donated_vars,
     }
     PyObject *kept[2] = {kept_vars, kept_dyn};
     for (int g = 0; g < 2 && alone; g++) {
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kept[g]) && alone; i++) {
-            PyObject *obj = PyTuple_GET_ITEM(kept[g], i);
+        for (Py_ssize_t i = 0; i < PyTuple_Size(kept[g]) && alone; i++) {
+            PyObject *obj = PyTuple_GetItem(kept[g], i);
             alone = bsearch(&obj, donated, (size_t)n, sizeof(PyObject *), compare_addresses) == NULL;
         }
     }
@@ -502,24 +593,24 @@ donated_alone(PyObject *kept_vars, PyObject *kept_dyn, PyObject *donated_vars,
 static int
 plan_match(CallPlan *plan, PyObject *args)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    if (PyTuple_GET_SIZE(plan->types) != n) {
+    Py_ssize_t n = PyTuple_Size(args);
+    if (PyTuple_Size(plan->types) != n) {
         return 0;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i)) != PyTuple_GET_ITEM(plan->types, i)) {
+        if ((PyObject *)Py_TYPE(PyTuple_GetItem(args, i)) != PyTuple_GetItem(plan->types, i)) {
             return 0;
         }
     }
-    if (PyTuple_GET_SIZE(plan->node_refs) != PyTuple_GET_SIZE(plan->node_positions)) {
+    if (PyTuple_Size(plan->node_refs) != PyTuple_Size(plan->node_positions)) {
         return 0;
     }
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(plan->node_positions); k++) {
-        PyObject *node = item_at(args, PyTuple_GET_ITEM(plan->node_positions, k));
+    for (Py_ssize_t k = 0; k < PyTuple_Size(plan->node_positions); k++) {
+        PyObject *node = item_at(args, PyTuple_GetItem(plan->node_positions, k));
         if (node == NULL) {
             return PyErr_Occurred() ? -1 : 0;
         }
-        int same = refers_to(PyTuple_GET_ITEM(plan->node_refs, k), node);
+        int same = refers_to(PyTuple_GetItem(plan->node_refs, k), node);
         if (same <= 0) {
             return same;
         }
@@ -537,7 +628,7 @@ plan_match(CallPlan *plan, PyObject *args)
 static PyObject *
 plan_matches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    CallPlan *plan = plan_of("plan_matches", args, nargs, "args");
+    CallPlan *plan = plan_of(module, "plan_matches", args, nargs, "args");
     if (plan == NULL) {
         return NULL;
     }
@@ -551,7 +642,7 @@ plan_matches(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    CallPlan *plan = plan_of("plan_inputs", args, nargs, "args");
+    CallPlan *plan = plan_of(module, "plan_inputs", args, nargs, "args");
     if (plan == NULL) {
         return NULL;
     }
@@ -583,10 +674,13 @@ plan_inputs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(inputs);
             return group;
         }
-        PyTuple_SET_ITEM(inputs, g, group);
+        if (PyTuple_SetItem(inputs, g, group) < 0) { /* as in read_all */
+            Py_DECREF(inputs);
+            return NULL;
+        }
     }
-    int alone = donated_alone(PyTuple_GET_ITEM(inputs, 0), PyTuple_GET_ITEM(inputs, 1),
-                              PyTuple_GET_ITEM(inputs, 2), PyTuple_GET_ITEM(inputs, 3));
+    int alone = donated_alone(PyTuple_GetItem(inputs, 0), PyTuple_GetItem(inputs, 1),
+                              PyTuple_GetItem(inputs, 2), PyTuple_GetItem(inputs, 3));
     if (alone <= 0) {  /* the general path names the shared array */
         Py_DECREF(inputs);
         return alone < 0 ? NULL : Py_NewRef(Py_None);
@@ -601,23 +695,23 @@ static PyObject *
 plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     static PyObject *info_name = NULL;
-    CallPlan *plan = plan_of("plan_write", args, nargs, NULL);
+    CallPlan *plan = plan_of(module, "plan_write", args, nargs, NULL);
     if (plan == NULL) {
         return NULL;
     }
     PyObject *outputs = args[1];
-    if (plan->info == Py_None || !PyTuple_CheckExact(outputs) || PyTuple_GET_SIZE(outputs) != 4) {
+    if (plan->info == Py_None || !PyTuple_CheckExact(outputs) || PyTuple_Size(outputs) != 4) {
         Py_RETURN_FALSE;
     }
     if (info_name == NULL && (info_name = PyUnicode_InternFromString("info")) == NULL) {
         return NULL;
     }
-    int same = is_expected(PyObject_GetAttr(PyTuple_GET_ITEM(outputs, 3), info_name),
+    int same = is_expected(PyObject_GetAttr(PyTuple_GetItem(outputs, 3), info_name),
                            plan->info, PyExc_AttributeError);
     if (same < 0) {
         return NULL;
     }
-    PyObject *var_out = PyTuple_GET_ITEM(outputs, 0);
+    PyObject *var_out = PyTuple_GetItem(outputs, 0);
     if (!same || !PyTuple_CheckExact(var_out)) {
         Py_RETURN_FALSE;
     }
@@ -629,8 +723,8 @@ plan_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(new);
         Py_RETURN_FALSE;
     }
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(new); j++) {
-        if ((PyObject *)Py_TYPE(PyTuple_GET_ITEM(new, j)) != plan->array_type) {
+    for (Py_ssize_t j = 0; j < PyTuple_Size(new); j++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GetItem(new, j)) != plan->array_type) {
             Py_DECREF(new);
             Py_RETURN_FALSE;
         }
@@ -666,10 +760,34 @@ static PyMethodDef methods[] = {
 static int
 module_exec(PyObject *module)
 {
-    if (PyType_Ready(&CallPlanType) < 0) {
+    module_state *state = PyModule_GetState(module);
+    state->plan_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &plan_spec, NULL);
+    if (state->plan_type == NULL) {
         return -1;
     }
-    return PyModule_AddObjectRef(module, "CallPlan", (PyObject *)&CallPlanType);
+    return PyModule_AddObjectRef(module, "CallPlan", (PyObject *)state->plan_type);
+}
+
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    module_state *state = PyModule_GetState(module);
+    Py_VISIT(state->plan_type);
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    module_state *state = PyModule_GetState(module);
+    Py_CLEAR(state->plan_type);
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
 }
 
 static PyModuleDef_Slot module_slots[] = {
@@ -681,9 +799,12 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "meshlift._speedups",
     .m_doc = "The per-call loops and repeated-call steps of meshlift.speedups, in C.",
-    .m_size = 0,
+    .m_size = sizeof(module_state),
     .m_methods = methods,
     .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
 };
 
 PyMODINIT_FUNC
