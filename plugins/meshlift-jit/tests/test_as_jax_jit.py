@@ -109,3 +109,16 @@ def test_a_compiled_function_called_with_other_dtypes_names_the_argument():
     ):
         compiled(model, batch.astype(jnp.int32))
     assert compiled(model, batch).shape == (1, 3)  # still callable with the right types
+
+
+def test_an_unreduced_out_sharding_under_set_mesh_is_jax_jits():
+    try:
+        spec = P(unreduced={"x"})
+    except TypeError:
+        pytest.skip("this jax has no unreduced PartitionSpecs")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        theirs = jax.jit(lambda a: a * 2, out_shardings=spec)(jnp.ones(8))
+        ours = ml.jit(lambda a: a * 2, out_shardings=spec)(jnp.ones(8))
+    assert ours.sharding == theirs.sharding
+    assert ours.sharding.spec.unreduced == frozenset({"x"})

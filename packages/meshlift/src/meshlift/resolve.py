@@ -35,7 +35,7 @@ from meshlift import compat
 from meshlift.graph import is_graph_leaf, variable_paths
 from meshlift.paths import Path, PlanError, format_path, key_name
 from meshlift.sharding import Spec, StateSharding, as_plan, is_spec, value_shape
-from meshlift.specs import spec_problems
+from meshlift.specs import spec_axes, spec_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def to_sharding(
 
 
 def _repeats_an_axis(spec: PartitionSpec) -> bool:
-    axes = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))]
+    axes = [a for _, dim_axes in spec_axes(spec) for a in dim_axes]
     named = [a for a in axes if isinstance(a, str)]
     return len(set(named)) < len(named)
 

@@ -19,16 +19,22 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import PartitionSpec
 
 
+def entries(spec: PartitionSpec) -> tuple[object, ...]:
+    """One entry per dimension (`spec.partitions`: a spec with `unreduced` axes refuses
+    to be iterated; those axes name no dimension)."""
+    return tuple(getattr(spec, "partitions", spec))
+
+
 def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
     """`P(None, ("data", "model"))` -> `[(0, ()), (1, ("data", "model"))]`."""
     out: list[tuple[int, tuple[str, ...]]] = []
-    for dim, entry in enumerate(spec):
+    for dim, entry in enumerate(entries(spec)):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             out.append((dim, ()))
         elif isinstance(entry, str):
             out.append((dim, (entry,)))
         else:
-            out.append((dim, tuple(entry)))
+            out.append((dim, tuple(entry)))  # type: ignore[arg-type]
     return out
 
 
@@ -43,11 +49,12 @@ def spec_problems(
     With `shape` None (not known yet) only the mesh-axis checks apply.
     """
     problems = []
+    rank = len(entries(spec))
     if shape is None:
-        shape = (0,) * len(spec)
-    if len(spec) > len(shape):
+        shape = (0,) * rank
+    if rank > len(shape):
         problems.append(
-            f"the spec has {len(spec)} entries but the array has rank {len(shape)}; "
+            f"the spec has {rank} entries but the array has rank {len(shape)}; "
             f"use at most {len(shape)} entries"
         )
     seen: set[str] = set()
