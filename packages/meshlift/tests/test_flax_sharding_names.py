@@ -5,6 +5,10 @@ and `tests/nnx/spmd_test.py` run twice, once as flax wrote them and once with
 `nnx.with_partitioning` → `ml.with_partitioning`, `nnx.logical_axis_rules` →
 `ml.axis_rules`, `jax.set_mesh` → `ml.use_mesh` and `jax.jit` → `ml.jit`; every
 parameter must come out on flax's sharding. Then a typo in a rule: never silent.
+
+flax's own code here (the guide's `nnx.vmap` over layers, `nnx.get_abstract_model`,
+the `nnx.jit` reference) is graph-mode code, so it runs under `compat.graph_mode()`
+also when the suite runs with flax's tree mode switched on; meshlift's calls do not.
 """
 
 import warnings
@@ -20,7 +24,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.compat import graph_mode
 from meshlift.testing import oracle
+from meshlift.testing.models import graph_mode_jit
 
 FLAX = {"with_partitioning": nnx.with_partitioning, "rules": nnx.logical_axis_rules}
 MESHLIFT = {"with_partitioning": ml.with_partitioning, "rules": ml.axis_rules}
@@ -33,7 +39,8 @@ def auto_mesh(shape, names):
 
 def guide_model(names, with_partitioning, depth=16, num_layers=2):
     """The guide's `MultiDotReluDot` (names `(None, 'model')`, `('model', None)`) or
-    `LogicalMultiDotReluDot` (`('embed', 'hidden')`, `('hidden', 'embed')`)."""
+    `LogicalMultiDotReluDot` (`('embed', 'hidden')`, `('hidden', 'embed')`), made in
+    flax's graph mode, as the guide makes it."""
     first, second = names
 
     class DotReluDot(nnx.Module):
@@ -68,7 +75,8 @@ def guide_model(names, with_partitioning, depth=16, num_layers=2):
             x, _ = jax.lax.scan(scan_over_layers, x, self.layers)
             return x
 
-    return MultiDotReluDot(nnx.Rngs(0))
+    with graph_mode():
+        return MultiDotReluDot(nnx.Rngs(0))
 
 
 def specs_of(model):
@@ -133,7 +141,7 @@ def test_the_guide_trains_as_flax_does_on_the_plan_read_from_the_model(case):
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         reference = guide_model(names, nnx.with_partitioning)
         reference_optimizer = nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param)
-        flax_step = nnx.jit(train_step)
+        flax_step = graph_mode_jit(train_step)
         flax_losses = [float(flax_step(reference, reference_optimizer, x, y)) for _ in range(3)]
     with ml.use_mesh(mesh), ml.axis_rules(rules):
         model = guide_model(names, ml.with_partitioning)
@@ -213,7 +221,8 @@ def test_spmd_get_abstract_model(api):
             self.shared = self.linear.kernel
 
     mesh = auto_mesh((2, 2), ("batch", "model"))
-    _, abstract = nnx.get_abstract_model(lambda: Foo(nnx.Rngs(0)), mesh)
+    with graph_mode():  # the shared kernel needs it
+        _, abstract = nnx.get_abstract_model(lambda: Foo(nnx.Rngs(0)), mesh)
     (leaf,) = jax.tree.leaves(abstract)
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), ndim=2)
 
@@ -221,16 +230,18 @@ def test_spmd_get_abstract_model(api):
 def test_spmd_layers_axis_added_by_vmap_and_read_by_the_plan():
     """spmd_test's `test_add_remove_axis_in_transform`: `nnx.vmap` adds 'layers' to the names."""
 
-    class MLP(nnx.Module):
-        @nnx.split_rngs(splits=5)
-        @nnx.vmap(in_axes=(0, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def __init__(self, rngs):
-            init = ml.with_partitioning(nnx.initializers.lecun_normal(), ("din", "dout"))
-            self.linear = nnx.Linear(4, 4, kernel_init=init, rngs=rngs)
+    with graph_mode():  # spmd_test's nnx.vmap over __init__ takes its mode when applied
 
-    mesh = auto_mesh((1, 2, 2), ("layers", "din", "dout"))
-    with ml.use_mesh(mesh):
-        model = MLP(rngs=nnx.Rngs(0))
+        class MLP(nnx.Module):
+            @nnx.split_rngs(splits=5)
+            @nnx.vmap(in_axes=(0, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def __init__(self, rngs):
+                init = ml.with_partitioning(nnx.initializers.lecun_normal(), ("din", "dout"))
+                self.linear = nnx.Linear(4, 4, kernel_init=init, rngs=rngs)
+
+        mesh = auto_mesh((1, 2, 2), ("layers", "din", "dout"))
+        with ml.use_mesh(mesh):
+            model = MLP(rngs=nnx.Rngs(0))
     assert model.linear.kernel.out_sharding == ("layers", "din", "dout")
     plan = ml.StateSharding.from_metadata(model, mesh=mesh)
     assert plan.spec_for(("linear", "kernel"), model.linear.kernel) == P("layers", "din", "dout")
@@ -353,7 +364,7 @@ def test_eval_shape_gives_the_abstract_model_flax_gives():
     names, rules = GUIDE_CASES["logical names"]
     with ml.use_mesh(mesh), ml.axis_rules(rules):
         abstract = ml.eval_shape(lambda: guide_model(names, ml.with_partitioning))
-    with nnx.logical_axis_rules(rules):
+    with nnx.logical_axis_rules(rules), graph_mode():
         _, flax_state = nnx.get_abstract_model(
             lambda: guide_model(names, nnx.with_partitioning), mesh
         )

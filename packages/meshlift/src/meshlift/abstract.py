@@ -31,6 +31,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from meshlift import compat
 from meshlift.annotation import annotated_leaves
 from meshlift.mesh import current_mesh
 from meshlift.metadata import get_sharding
@@ -55,7 +56,8 @@ def eval_shape(fun: Callable[..., Result], /, *args: Any, **kwargs: Any) -> Resu
     assert out.shape == (8, 32) and isinstance(out, jax.ShapeDtypeStruct)
     ```
     """
-    out = nnx.eval_shape(fun, *args, **kwargs)
+    with compat.graph_mode():  # meshlift's semantics, whatever mode the user switched on
+        out = nnx.eval_shape(fun, *args, **kwargs)
     mesh = current_mesh()
     if isinstance(mesh, Mesh):
         _place_abstract(out, mesh)

@@ -192,3 +192,16 @@ def duplicate_spec_error() -> type[Exception]:
             if isinstance(found, type) and issubclass(found, Exception):
                 return found
     return Exception
+
+
+@contextlib.contextmanager
+def graph_mode() -> Any:
+    """flax's graph mode with graph updates for the block, whatever the user switched on
+    (`nnx.set_graph_mode(False)`, `NNX_GRAPH_MODE=false`); a flax without the switches
+    has only graph mode."""
+    with contextlib.ExitStack() as stack:
+        for name in ("set_graph_mode", "set_graph_updates"):
+            switch = getattr(nnx, name, None)
+            if switch is not None:
+                stack.enter_context(switch(True))
+        yield
