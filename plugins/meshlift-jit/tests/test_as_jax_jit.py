@@ -1,5 +1,7 @@
 """`ml.jit` is `jax.jit` for arrays (issue 26): each behaviour run on both, jax the reference."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -111,11 +113,14 @@ def test_a_compiled_function_called_with_other_dtypes_names_the_argument():
     assert compiled(model, batch).shape == (1, 3)  # still callable with the right types
 
 
+@pytest.mark.xfail(
+    "unreduced" not in inspect.signature(P).parameters,
+    reason="this jax has no unreduced PartitionSpecs (jax 0.9)",
+    raises=TypeError,
+    strict=True,
+)
 def test_an_unreduced_out_sharding_under_set_mesh_is_jax_jits():
-    try:
-        spec = P(unreduced={"x"})
-    except TypeError:
-        pytest.skip("this jax has no unreduced PartitionSpecs")
+    spec = P(unreduced={"x"})
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
         theirs = jax.jit(lambda a: a * 2, out_shardings=spec)(jnp.ones(8))
