@@ -35,7 +35,7 @@ from meshlift import compat
 from meshlift.graph import is_graph_leaf, variable_paths
 from meshlift.paths import Path, PlanError, format_path, key_name
 from meshlift.sharding import Spec, StateSharding, as_plan, is_spec, value_shape
-from meshlift.specs import spec_axes, spec_problems
+from meshlift.specs import repeats_an_axis, spec_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +104,10 @@ def to_sharding(
             f"cannot shard `{path}` (shape {shape}) with {what} {placed.spec} on mesh "
             f"{placed.mesh_shape}: " + "; ".join(placed.problems)
         )
-        if placed.spec is not None and _repeats_an_axis(placed.spec):
+        if placed.spec is not None and repeats_an_axis(placed.spec):
             raise duplicate_axis_error()(message, mesh, placed.spec)
         raise PlanError(message)
     return NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
-
-
-def _repeats_an_axis(spec: PartitionSpec) -> bool:
-    axes = [a for _, dim_axes in spec_axes(spec) for a in dim_axes]
-    named = [a for a in axes if isinstance(a, str)]
-    return len(set(named)) < len(named)
 
 
 @functools.cache

@@ -38,6 +38,12 @@ def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
+def repeats_an_axis(spec: PartitionSpec) -> bool:
+    """Whether `spec` names a mesh axis twice (jax's `DuplicateSpecError`)."""
+    axes = [axis for _, dim_axes in spec_axes(spec) for axis in dim_axes]
+    return len(set(axes)) < len(axes)
+
+
 def spec_problems(
     spec: PartitionSpec,
     shape: Sequence[int] | None,

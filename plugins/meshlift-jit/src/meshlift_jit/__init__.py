@@ -176,20 +176,17 @@ def read_specs(in_shardings: Any, out_shardings: Any, options: Mapping[str, Any]
 
 
 def _unspecified_as_none(specs: Any) -> Any:
-    def read(spec: Any) -> Any:
-        if type(spec).__name__ == "UnspecifiedValue":  # jax._src.sharding_impls.UNSPECIFIED
-            return None
-        if isinstance(spec, jax.sharding.PartitionSpec):
-            return spec
-        if isinstance(spec, tuple) and hasattr(spec, "_fields"):  # a NamedTuple, e.g. optax's
-            return type(spec)(*map(read, spec))
-        if isinstance(spec, list | tuple):
-            return type(spec)(map(read, spec))
-        if isinstance(spec, dict):
-            return {key: read(value) for key, value in spec.items()}
-        return spec
+    return jax.tree.map(
+        lambda spec: None if _is_unspecified(spec) else spec,
+        specs,
+        is_leaf=lambda x: (
+            x is None or _is_unspecified(x) or isinstance(x, jax.sharding.PartitionSpec)
+        ),
+    )
 
-    return read(specs)
+
+def _is_unspecified(spec: Any) -> bool:
+    return type(spec).__name__ == "UnspecifiedValue"  # jax._src.sharding_impls.UNSPECIFIED
 
 
 BACKEND = ml.Backend(
