@@ -395,14 +395,17 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the docs site with mkdocs build --strict (its code blocks run in the tests).
+    """Build the docs site with mkdocs build --strict, running every page's code.
 
+    docs/hooks/outputs.py runs each page's python blocks and shows what they print
+    (the example backends' READMEs are run by their own session, third-party).
     Then fail if a built page shows "Example::": a reST literal block left in a
     docstring, which mkdocstrings renders as it is written.
     """
-    install(session, "-r", "docs/requirements.txt")
+    install(session, *TEST_TOOLS, "-r", "docs/requirements.txt")
     # NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner for mkdocs 1.x.
-    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+    env = XLA_ENV | {"NO_MKDOCS_2_WARNING": "1"}
+    session.run("mkdocs", "build", "--strict", *session.posargs, env=env)
     site = built_site_dir(session.posargs)
     pages = sorted(site.glob("**/*.html"))
     if not pages:

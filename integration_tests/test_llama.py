@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_docs import DOCS, blocks
+from test_docs import DOCS, outputs
 
 import meshlift as ml
 
@@ -25,7 +25,7 @@ STEPS = 4
 def page() -> dict:
     """The page's setup and definitions, run once: Config, Llama, train_step, RULES..."""
     namespace: dict = {"__name__": "__llama__"}
-    code = [block for block, _ in blocks(DOCS / "llama.md")]
+    code = [block[1] for block in outputs.blocks((DOCS / "llama.md").read_text())]
     for block in (code[0], *(b for b in code if b.startswith("# llama: "))):
         exec(compile(block, "docs/llama.md", "exec"), namespace)
     return namespace

@@ -5,6 +5,7 @@ the array that `jax.device_put` makes with the same `NamedSharding`.
 """
 
 import io
+from xml.etree import ElementTree
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,10 @@ def test_higher_rank_draws_the_split_dimension(mesh):
     layout = ml.explain(tree(), PLAN, mesh).layout("w3")
     assert layout.dims == (0, 1)  # dimension 1 is split; dimension 0 fills the picture
     assert layout.grid() == [["0,4", "1,5", "2,6", "3,7"]]
-    assert "rows: dimension 0, columns: dimension 1" in str(layout)
+    assert (
+        "columns: dimension 1 (12) split over 'model' (4); rows: dimension 0 (8) not split; "
+        "replicated over 'data' (2)"
+    ) in str(layout)
 
 
 def test_a_mesh_given_as_sizes_uses_the_first_devices_as_make_mesh_does(mesh):
@@ -146,3 +150,35 @@ def test_layout_to_dict_is_plain_data(mesh):
 
 def test_explanations_compare_as_before_whatever_the_mesh(mesh):
     assert ml.explain(tree(), PLAN, mesh) == ml.explain(tree(), PLAN, {"data": 2, "model": 4})
+
+
+def svg_texts(layout) -> tuple[list[str], list[str]]:
+    """The block labels (texts centred in a rect) and the other texts of the SVG picture."""
+    root = ElementTree.fromstring(layout.svg())
+    namespace = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{namespace}svg"
+    texts = [t.text for t in root.iter(f"{namespace}text")]
+    labels = [t.text for t in root.iter(f"{namespace}text") if t.get("text-anchor") == "middle"]
+    assert len(list(root.iter(f"{namespace}rect"))) == len(labels)
+    return labels, [t for t in texts if t not in labels]
+
+
+def test_svg_draws_the_grid_with_its_mesh_axes(mesh):
+    layout = ml.explain(tree(), PLAN, mesh).layout("w2")
+    labels, notes = svg_texts(layout)
+    assert labels == [label for row in layout.grid() for label in row]
+    assert notes == [
+        "w2 (16, 32) float32, P('data', 'model') on mesh data=2, model=4",
+        "columns: dimension 1 (32) split over 'model' (4)",
+        "8 blocks of (8, 8), each on 1 device(s); labels: device ids",
+        "rows: dimension 0 (16) split over 'data' (2)",
+    ]
+
+
+def test_svg_says_which_mesh_axes_replicate(mesh):
+    labels, notes = svg_texts(ml.explain(tree(), PLAN, mesh).layout("w3"))
+    assert labels == ["0,4", "1,5", "2,6", "3,7"]
+    assert notes[-1] == "replicated over 'data' (2)"
+    labels, notes = svg_texts(ml.explain(tree(), PLAN, mesh).layout("scalar"))
+    assert labels == ["0,1,2,3,4,5,6,7"]
+    assert notes[-1] == "one block, replicated on all 8 devices; labels: device ids"

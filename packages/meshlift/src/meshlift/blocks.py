@@ -2,7 +2,7 @@
 
 Computed as JAX places the array, from `NamedSharding(mesh, spec)
 .devices_indices_map(shape)`; prints as a picture (rich), one cell per
-block labelled with its device ids.
+block labelled with its device ids, and draws as an SVG picture (`svg()`).
 
 Example:
 
@@ -19,6 +19,7 @@ print(blocks)       # 2 x 4 blocks of (8, 8), each labelled with its device
 from __future__ import annotations
 
 import dataclasses
+import html
 import io
 import math
 from typing import Any
@@ -159,7 +160,102 @@ class Blocks:
                     )
                 )
             table.add_row(*cells)
-        return Group(Text(self._title(), style="bold"), table, Text(self._caption()))
+        caption = [Text(self._caption())] + ([Text(self._axes_line())] if self.shape else [])
+        return Group(Text(self._title(), style="bold"), table, *caption)
+
+    def svg(self) -> str:
+        """The picture as an SVG document: the array's blocks to scale, each labelled
+        with its device ids, the split dimensions labelled with their mesh axes.
+
+        Example:
+
+        ```python
+        from meshlift.blocks import Blocks
+
+        mesh = ml.make_mesh({"data": 2, "model": 4})
+        picture = Blocks.of("kernel", (16, 64), "float32", P(None, "model"), mesh).svg()
+        assert picture.startswith("<svg") and "split over &#x27;model&#x27; (4)" in picture
+        ```
+        """
+        rows, columns = self._axes()
+        row_edges, column_edges = self._edges(rows), self._edges(columns)
+        labels = self.grid()
+        # The grid keeps the array's proportions within 160..480 x 40..240 pixels, and every
+        # block is wide enough for its label (7 pixels a character) and 26 pixels tall.
+        height_of = self.shape[rows] if rows is not None else 1
+        width_of = self.shape[columns] if columns is not None else 8
+        width = max(160, min(480, 480 * width_of / max(width_of, height_of * 2)))
+        height = max(40, min(240, width * height_of / width_of))
+        label_width = max(len(label) for line in labels for label in line) * 7 + 12
+        widths = _scaled(column_edges, max(width, label_width * len(column_edges)), label_width)
+        heights = _scaled(row_edges, max(height, 26 * len(row_edges)), 26)
+        grid_w, grid_h = sum(widths), sum(heights)
+        left, top = 12, (54 if columns is not None else 34)
+        colours: dict[str, str] = {}
+        shapes = []
+        for line, h, y in zip(labels, heights, _starts(top, heights), strict=True):
+            for label, w, x in zip(line, widths, _starts(left, widths), strict=True):
+                fill = colours.setdefault(label, _FILLS[len(colours) % len(_FILLS)])
+                shapes.append(
+                    f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" '
+                    f'fill="{fill}" stroke="#ffffff" stroke-width="2"/>'
+                    f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" '
+                    f'text-anchor="middle">{_escape(label)}</text>'
+                )
+        lines = [(left, 18, self._title())]
+        if columns is not None:
+            lines.append((left, top - 10, self._along(columns, "columns")))
+        notes = [self._caption()]
+        if rows is not None:
+            notes.append(self._along(rows, "rows"))
+        if len(self.blocks) > 1 and self._replicated():
+            notes.append(self._replicated())
+        lines += [(left, top + grid_h + 20 * (i + 1), note) for i, note in enumerate(notes)]
+        texts = [f'<text x="{x}" y="{y:.1f}">{_escape(text)}</text>' for x, y, text in lines]
+        texts[0] = texts[0].replace("<text ", '<text font-weight="bold" ', 1)
+        total_w = round(max(left + grid_w, *(x + len(t) * 7.5 for x, _, t in lines)) + 12)
+        total_h = round(top + grid_h + 20 * len(notes) + 10)
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
+            f'viewBox="0 0 {total_w} {total_h}" font-family="sans-serif" font-size="13" '
+            f'role="img" aria-label="{_escape(self._title())}">'
+            + "".join(shapes + texts)
+            + "</svg>"
+        )
+
+    def _mesh_axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes that split dimension `dim`, major first."""
+        entry = self.spec[dim] if dim < len(self.spec) else None
+        if entry is None:
+            return ()
+        return (entry,) if isinstance(entry, str) else tuple(entry)
+
+    def _along(self, dim: int, side: str) -> str:
+        """How the picture's rows or columns cut the array: `columns: dimension 1 (64)
+        split over 'model' (4)`."""
+        axes = self._mesh_axes(dim)
+        how = (
+            "split over " + " then ".join(f"'{a}' ({self.mesh_shape[a]})" for a in axes)
+            if axes
+            else "not split"
+        )
+        return f"{side}: dimension {dim} ({self.shape[dim]}) {how}"
+
+    def _replicated(self) -> str:
+        """The mesh axes no dimension uses, over which every block is copied."""
+        used = {a for d in range(len(self.shape)) for a in self._mesh_axes(d)}
+        rest = [f"'{a}' ({n})" for a, n in self.mesh_shape.items() if a not in used and n > 1]
+        return f"replicated over {', '.join(rest)}" if rest else ""
+
+    def _axes_line(self) -> str:
+        """The rich picture's last line: how its columns and rows cut the array."""
+        rows, columns = self._axes()
+        sides = [
+            self._along(d, side)
+            for d, side in ((columns, "columns"), (rows, "rows"))
+            if d is not None
+        ]
+        return "; ".join(sides + ([self._replicated()] if self._replicated() else []))
 
     def _title(self) -> str:
         mesh = ", ".join(f"{name}={size}" for name, size in self.mesh_shape.items())
@@ -175,9 +271,6 @@ class Blocks:
             of = f" of {sizes.pop()}" if len(sizes) == 1 else ""
             on = f"each on {counts.pop()} device(s)" if len(counts) == 1 else "on devices"
             text = f"{len(self.blocks)} blocks{of}, {on}"
-        rows, columns = self._axes()
-        if len(self.shape) > 2 and rows is not None:
-            text += f"; rows: dimension {rows}, columns: dimension {columns}"
         return f"{text}; labels: device ids"
 
     def __str__(self) -> str:
@@ -196,6 +289,25 @@ _PALETTE = [
     "black on yellow",
     "black on magenta",
 ]
+
+
+# Fill colours of the SVG's blocks: light, told apart, dark text readable on each.
+_FILLS = ["#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#fb9a99", "#ffff99", "#8dd3c7", "#d9d9d9"]
+
+
+def _scaled(edges: list[tuple[int, int]], total: float, least: float) -> list[float]:
+    """Pixel sizes of blocks with `edges`, in proportion to `total`, each at least `least`."""
+    span = (edges[-1][1] - edges[0][0]) or 1
+    return [max(least, total * (b - a) / span) for a, b in edges]
+
+
+def _starts(origin: float, sizes: list[float]) -> list[float]:
+    """Where each of blocks of `sizes`, laid end to end from `origin`, starts."""
+    return [origin + sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _escape(text: str) -> str:
+    return html.escape(text, quote=True)
 
 
 def mesh_of_devices(mesh_shape: dict[str, int]) -> Mesh:
