@@ -167,6 +167,17 @@ else:  # at run time each forwards to its backend's front end, found through the
 
         Takes every `jax.jit` option plus `mesh=`; see `meshlift_jit.jit`.
 
+        Args:
+            fun: The function to lift; None gives a decorator.
+            **kwargs: `meshlift_jit.jit`'s keywords (`in_shardings`, `mesh`...).
+
+        Returns:
+            The `Lifted` function, or a decorator making one.
+
+        Raises:
+            BackendNotFoundError: If the `meshlift-jit` backend is not installed.
+            meshlift.plugins.PluginError: If its backend has no front end.
+
         Example:
 
         ```python
@@ -179,6 +190,18 @@ else:  # at run time each forwards to its backend's front end, found through the
 
     def shard_map(f: Any = None, /, **kwargs: Any) -> Any:
         """`jax.shard_map` lifted over stateful models; needs the `meshlift-shard-map` backend.
+
+        Args:
+            f: The function to lift; None gives a decorator.
+            **kwargs: `meshlift_shard_map.shard_map`'s keywords (`in_specs`, `out_specs`,
+                `mesh`...).
+
+        Returns:
+            The `Lifted` function, or a decorator making one.
+
+        Raises:
+            BackendNotFoundError: If the `meshlift-shard-map` backend is not installed.
+            meshlift.plugins.PluginError: If its backend has no front end.
 
         Example:
 
@@ -194,6 +217,18 @@ else:  # at run time each forwards to its backend's front end, found through the
 
     def pjit(fun: Any, /, *args: Any, **kwargs: Any) -> Any:
         """Old `pjit` semantics (mesh from the call site) on today's JAX; needs `meshlift-pjit`.
+
+        Args:
+            fun: The function to lift.
+            *args: `meshlift_pjit.pjit`'s positional arguments (`in_axis_resources`...).
+            **kwargs: Its keywords.
+
+        Returns:
+            The `Lifted` function.
+
+        Raises:
+            BackendNotFoundError: If the `meshlift-pjit` backend is not installed.
+            meshlift.plugins.PluginError: If its backend has no front end.
 
         Example:
 

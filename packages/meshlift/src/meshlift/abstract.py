@@ -48,6 +48,18 @@ def eval_shape(fun: Callable[..., Result], /, *args: Any, **kwargs: Any) -> Resu
     parameter the mesh cannot shard); unannotated ones are replicated. The
     arguments are not changed.
 
+    Args:
+        fun: The function to evaluate, such as a module's constructor in a lambda.
+        *args: Its positional arguments.
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        What `fun` returns, its arrays as `jax.ShapeDtypeStruct`s.
+
+    Raises:
+        meshlift.PlanError: Under a mesh, listing every annotated parameter the mesh
+            cannot shard.
+
     Example:
 
     ```python

@@ -86,6 +86,15 @@ class StageSpec:
     outputs in the same terms. `mesh` is the call's mesh (an `AbstractMesh`
     where the user gave one) or `None`; bare `PartitionSpec`s are placed on it,
     and a `NamedSharding` the user gave keeps its own.
+
+    Made by the core with keyword arguments, one per attribute.
+
+    Attributes:
+        in_specs: One tuple of shardings (or None) per argument of the pure function.
+        out_specs: Shardings of the pure function's four outputs, a pytree prefix.
+        mesh: The call's mesh; None when there is none.
+        donate_argnums: Positions of the pure function's donated arguments; default none.
+        options: The backend options, as its `read_options` gave them.
     """
 
     in_specs: tuple[Any, ...]
@@ -105,6 +114,13 @@ class Specs:
     mesh, else the compiler's choice). `names` are the front end's words for
     the two, used in errors.
 
+    Attributes:
+        in_specs: Specs of the positional arguments, used on a mesh; default None.
+        out_specs: Specs of the output, used on a mesh; default None.
+        names: The front end's names for the two; default `("in_specs", "out_specs")`.
+        meshless: `(in_specs, out_specs)` for a call with no mesh; default None: the
+            same specs.
+
     Example:
 
     ```python
@@ -119,7 +135,14 @@ class Specs:
     meshless: tuple[Any, Any] | None = None
 
     def on(self, mesh: Any) -> tuple[Any, Any]:
-        """`(in_specs, out_specs)` for a call on `mesh` (None: no mesh in context)."""
+        """`(in_specs, out_specs)` for a call on `mesh` (None: no mesh in context).
+
+        Args:
+            mesh: The call's mesh, or None.
+
+        Returns:
+            `meshless` when there is no mesh and it is given, else `(in_specs, out_specs)`.
+        """
         if mesh is None and self.meshless is not None:
             return self.meshless
         return self.in_specs, self.out_specs
@@ -219,6 +242,32 @@ class Backend:
     another sharding than its spec is moved onto it for the call, as
     `jax.shard_map` does (`jax.jit` refuses it, and so does meshlift by
     default).
+
+    Made with keyword arguments, one per attribute; only `name` and `stage`
+    are required.
+
+    Attributes:
+        name: The name `ml.transform` and `ml.get_backend` take.
+        stage: `stage(fn, spec)` returning the staged callable (what `jax.jit` returns).
+        frontend: The user-facing wrapper; default None: used through `ml.transform`.
+        read_specs: Reads `in_specs`, `out_specs` and the options into a `Specs`;
+            default: as given.
+        read_mesh: Reads `mesh=` into a mesh, or a function giving one at each call;
+            default: as given.
+        read_options: Reads the options into `StageSpec.options`; default: all, as given.
+        version: Shown in messages; default `"0"`, a plugin's: its distribution's.
+        distribution: The distribution it comes from; default None: registered in this
+            process (a plugin's: its entry point's distribution).
+        capabilities: Names from `CAPABILITIES` that it promises; default: none.
+        description: One line, shown by `ml.backends()` and `meshlift backends`.
+        passes_through_none: A non-array leaf whose spec is None reaches the function
+            unchanged; default False.
+        reshards_arguments: An argument committed to another sharding is moved onto its
+            spec; default False.
+
+    Raises:
+        TypeError: If `capabilities` is a string.
+        ValueError: If `capabilities` names one meshlift does not know.
     """
 
     name: str

@@ -55,7 +55,19 @@ LARGE_REPLICATED_BYTES = 1 << 20  # warn about replicated parameters from 1 MiB
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One array: where it is, what it is, how the plan shards it, and what is wrong."""
+    """One array: where it is, what it is, how the plan shards it, and what is wrong.
+
+    Attributes:
+        path: The array's path, `"linear1.kernel"`.
+        shape: Its shape.
+        dtype: Its dtype's name.
+        spec: The `PartitionSpec` the plan gives it; None: left to the compiler.
+        shards: How many blocks the spec cuts it into.
+        bytes: Its size unsharded.
+        bytes_per_device: The size of one block.
+        problems: What keeps the spec from fitting the array and the mesh; empty if none.
+        own_mesh: The mesh of the `NamedSharding` the plan gives, if it gives one.
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -74,6 +86,13 @@ class Explanation:
     """The result of `ml.explain`: rows, totals, warnings and problems; prints as a table.
 
     `layout(path)` and `show(path)` draw where the blocks of one parameter live.
+
+    Attributes:
+        mesh_shape: The mesh's `{axis: size}`.
+        rows: One `Row` per array, in path order.
+        warnings: Large replicated arrays, plan filters that matched nothing, arrays
+            placed on another mesh.
+        mesh: The `Mesh` explained on, if one was given or in context.
     """
 
     mesh_shape: dict[str, int]
@@ -89,18 +108,28 @@ class Explanation:
 
     @property
     def ok(self) -> bool:
+        """True if no row has a problem."""
         return not self.problems
 
     @property
     def total_bytes(self) -> int:
+        """The size of every array, unsharded."""
         return sum(row.bytes for row in self.rows)
 
     @property
     def bytes_per_device(self) -> int:
+        """The size of one block of every array: what each device holds."""
         return sum(row.bytes_per_device for row in self.rows)
 
     def check(self) -> Explanation:
-        """Raise one `ml.PlanError` listing every problem; return self if there are none."""
+        """Raise one `ml.PlanError` listing every problem; return self if there are none.
+
+        Returns:
+            This `Explanation`.
+
+        Raises:
+            meshlift.PlanError: Listing every problem, by path, if there is one.
+        """
         if self.problems:
             raise PlanError(
                 f"the plan does not fit {len(self.problems)} time(s) on mesh {self.mesh_shape}:\n  "
@@ -118,6 +147,15 @@ class Explanation:
         A path that is not in the table raises `LookupError` naming the paths
         closest to it; the last part of a path alone (`"kernel"`) is enough
         when only one parameter ends with it.
+
+        Args:
+            path: A parameter's dotted path, or the end of one.
+
+        Returns:
+            Its `Row`.
+
+        Raises:
+            LookupError: If no path, or more than one, ends with `path`.
         """
         paths = [r.path for r in self.rows]
         if path in paths:
@@ -139,6 +177,17 @@ class Explanation:
         given to `ml.explain`; a mesh given as `{"data": 2, "model": 4}` is laid
         over the first devices as `ml.make_mesh` would (on CPU, over simulated
         devices: set `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
+
+        Args:
+            path: A parameter's dotted path, or the end of one (as for `row`).
+
+        Returns:
+            A `Blocks` picture of the array's blocks, each labelled with its devices.
+
+        Raises:
+            LookupError: If no single parameter has that path.
+            meshlift.PlanError: If the row has a problem, or its spec is no
+                `PartitionSpec` on the mesh.
 
         Example:
 
@@ -166,13 +215,26 @@ class Explanation:
 
         In the spirit of `jax.debug.visualize_array_sharding`, for a plan that has
         not run: nothing is allocated or compiled.
+
+        Args:
+            *paths: Parameters' paths, as for `row`.
+            console: The `rich` console to print on; None: a new one (stdout).
+
+        Raises:
+            LookupError: If no single parameter has one of the paths.
+            meshlift.PlanError: As `layout`.
         """
         console = console or Console()
         for path in paths:
             console.print(self.layout(path))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for `--json`."""
+        """Plain data for `--json`.
+
+        Returns:
+            A dict of lists, strings and numbers: `mesh`, `rows`, `total_bytes`,
+                `bytes_per_device`, `warnings` and `problems`.
+        """
         return {
             "mesh": self.mesh_shape,
             "rows": [
@@ -251,6 +313,18 @@ def explain(
     applied to the model's annotations, or None for the annotations as they
     are. `mesh` is a Mesh or `{"data": 2, "model": 4}`; default: the mesh of
     `ml.use_mesh`. Print the result for the table; `.check()` raises.
+
+    Args:
+        model_or_tree: A module, `nnx.State`, variable dict or abstract tree.
+        plan_or_rules: The plan, the axis rules, or None (see above).
+        mesh: A Mesh or `{"data": 2, "model": 4}`; None: the mesh of `ml.use_mesh`.
+        large_replicated_bytes: Warn about replicated arrays from this size on (1 MiB).
+
+    Returns:
+        The `Explanation`; problems are in it, not raised.
+
+    Raises:
+        TypeError: If there is no mesh, or `plan_or_rules` is none of the above.
 
     Example:
 

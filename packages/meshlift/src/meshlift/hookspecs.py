@@ -39,4 +39,7 @@ def meshlift_register_backends(register: Callable[[Backend], None]) -> None:
 
     Called once, when the registry is first used. Registering two backends
     with the same name is an error that names both distributions.
+
+    Args:
+        register: Call it with each `meshlift.Backend` the plugin provides.
     """

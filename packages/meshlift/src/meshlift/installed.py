@@ -20,7 +20,15 @@ from meshlift.backend import Backend, origin
 
 @attrs.frozen
 class BackendInfo:
-    """What `ml.backends()` reports about one installed backend."""
+    """What `ml.backends()` reports about one installed backend.
+
+    Attributes:
+        name: The backend's name.
+        distribution: Its distribution; None: registered in this process.
+        version: Its version.
+        capabilities: Its capabilities, sorted.
+        description: Its one-line description.
+    """
 
     name: str
     distribution: str | None
@@ -30,6 +38,14 @@ class BackendInfo:
 
     @classmethod
     def from_backend(cls, backend: Backend) -> BackendInfo:
+        """The report of `backend`.
+
+        Args:
+            backend: A registered backend.
+
+        Returns:
+            Its `BackendInfo`.
+        """
         return cls(
             name=backend.name,
             distribution=backend.distribution,
@@ -47,7 +63,14 @@ class BackendInfo:
 
 @attrs.frozen
 class LoadError:
-    """A plugin that failed to load: its entry point, distribution and error."""
+    """A plugin that failed to load: its entry point, distribution and error.
+
+    Attributes:
+        plugin: The entry point's name.
+        distribution: The distribution of the entry point, if known.
+        version: That distribution's version, if known.
+        error: The error, as `"TypeError: message"`.
+    """
 
     plugin: str
     distribution: str | None
@@ -63,6 +86,10 @@ class InstalledBackends:
     """The installed backends, by name, and the plugins that failed to load.
 
     Iterates over the backends; `print()` it for a summary.
+
+    Attributes:
+        backends: One `BackendInfo` per usable backend, by name.
+        errors: One `LoadError` per plugin that failed to load, or name two claimed.
 
     Example:
 

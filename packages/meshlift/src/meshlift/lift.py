@@ -78,6 +78,32 @@ class Lifted(Generic[Params, Result]):
     the mesh of `ml.use_mesh`. The backend's readers (`Backend.read_specs`,
     `read_mesh`, `read_options`) say what the specs, the mesh and the
     options mean for it.
+
+    Args:
+        fun: The function to lift; a bound method of a module lifts the module too.
+        backend: A backend name (`"jit"`) or a `Backend` object.
+        in_specs: Specs of the positional arguments (a pytree prefix); None: unspecified.
+        out_specs: Specs of the output (a pytree prefix); None: unspecified.
+        mesh: A mesh, a function returning one at each call, or None for the call site's.
+        static_argnums: Positions of static arguments, as in `jax.jit`.
+        static_argnames: Names of static arguments, as in `jax.jit`.
+        donate_argnums: Positions of donated arguments, as in `jax.jit`.
+        donate_argnames: Names of donated arguments, as in `jax.jit`.
+        options: Backend options, read by `Backend.read_options`.
+
+    Raises:
+        TypeError: If `fun` is not callable, `mesh` is not a mesh, a function or None,
+            or the backend's `read_specs` returns no `Specs`.
+        ValueError: If the static or donated arguments do not fit `fun`'s signature,
+            as `jax.jit` checks them.
+        meshlift.BackendNotFoundError: If no installed backend has the name `backend`.
+        meshlift.plugins.PluginError: If two plugins register the name `backend`.
+        meshlift.PlanError: If a module stands where specs go; at a call, if a spec
+            does not fit its argument.
+        meshlift.StructureChangedError: At a call under `nnx.cached_partial`, if `fun`
+            changed its arguments' structure.
+        meshlift.TraceLeakError: At a call inside an outer JAX transform, if writing
+            back would leak its tracers into the caller's objects.
     """
 
     def __init__(
@@ -93,7 +119,7 @@ class Lifted(Generic[Params, Result]):
         donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         options: Mapping[str, Any] | None = None,
-    ):
+    ) -> None:
         if not callable(fun):
             raise TypeError(f"expected a function to lift, got {type(fun).__name__}: {fun!r}")
         if not (mesh is None or callable(mesh) or isinstance(mesh, Mesh | AbstractMesh)):
@@ -136,8 +162,10 @@ class Lifted(Generic[Params, Result]):
         return sum(_programs(staged) for staged in self._staged.values())
 
     def clear_cache(self) -> None:
-        """Forget every staged and compiled program and argument layout (`jax.jit`'s);
-        the next call traces and compiles again."""
+        """Forget every staged and compiled program and argument layout (`jax.jit`'s).
+
+        The next call traces and compiles again.
+        """
         for staged in self._staged.values():
             getattr(staged, "clear_cache", lambda: None)()
         self._staged.clear()
@@ -261,22 +289,61 @@ class Lifted(Generic[Params, Result]):
         return mesh_source, mesh, slot, variables, targets, array_type
 
     def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
-        """Trace for these arguments; `.lower()` continues. Nothing is written back."""
+        """Trace for these arguments; `.lower()` continues. Nothing is written back.
+
+        Args:
+            *args: The positional arguments, as for a call.
+            **kwargs: The keyword arguments, as for a call.
+
+        Returns:
+            A `Traced` wrapping JAX's, with inputs and outputs in the caller's terms.
+
+        Raises:
+            AttributeError: If the backend's staged function has no `trace` (no `stages`
+                capability).
+            meshlift.PlanError: If a spec does not fit its argument.
+        """
         entry, call = self._entry(self._bound(args), kwargs)
         with named_errors(entry.layout, call):
             trace = self._stage_method(entry, "trace")
             return Traced(trace(*calls.placed_inputs(entry.layout, call)), entry, self)
 
     def lower(self, *args: Params.args, **kwargs: Params.kwargs) -> Lowered:
-        """Lower for these arguments; `.compile()` gives a `Compiled` called like this
-        function, without the static arguments (they are part of the program)."""
+        """Lower for these arguments; `.compile()` continues.
+
+        The `Compiled` is called like this function without the static arguments
+        (they are part of the program).
+
+        Args:
+            *args: The positional arguments, as for a call.
+            **kwargs: The keyword arguments, as for a call.
+
+        Returns:
+            A `Lowered` wrapping JAX's.
+
+        Raises:
+            AttributeError: If the backend's staged function has no `lower` (no `stages`
+                capability).
+            meshlift.PlanError: If a spec does not fit its argument.
+        """
         entry, call = self._entry(self._bound(args), kwargs)
         with named_errors(entry.layout, call):
             lower = self._stage_method(entry, "lower")
             return Lowered(lower(*calls.placed_inputs(entry.layout, call)), entry, self)
 
     def eval_shape(self, *args: Params.args, **kwargs: Params.kwargs) -> Any:
-        """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back."""
+        """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back.
+
+        Args:
+            *args: The positional arguments, as for a call.
+            **kwargs: The keyword arguments, as for a call.
+
+        Returns:
+            The output with `jax.ShapeDtypeStruct` leaves, modules abstract.
+
+        Raises:
+            meshlift.PlanError: If a spec does not fit its argument.
+        """
         entry, call = self._entry(self._bound(args), kwargs)
         with named_errors(entry.layout, call):
             return calls.eval_shape(entry, call)
@@ -518,6 +585,31 @@ def transform(
     `graph` and `graph_updates` are flax's (`nnx.jit`'s) names for what
     meshlift always does (graph semantics, updates carried back): True or
     None; False, flax's tree mode, is refused rather than run otherwise.
+
+    Args:
+        backend: A backend name (`"jit"`, `"shard_map"`, `"pjit"`...) or a `Backend`.
+        fun: The function to lift; None gives a decorator.
+        mesh: A mesh, a function returning one at each call, or None for the mesh of
+            `ml.use_mesh`.
+        in_specs: Specs of the positional arguments; None: unspecified.
+        out_specs: Specs of the output; None: unspecified.
+        static_argnums: Positions of static arguments, as in `jax.jit`.
+        static_argnames: Names of static arguments, as in `jax.jit`.
+        donate_argnums: Positions of donated arguments, as in `jax.jit`.
+        donate_argnames: Names of donated arguments, as in `jax.jit`.
+        graph: flax's `graph=`: True or None; False is refused.
+        graph_updates: flax's `graph_updates=`: True or None; False is refused.
+        **options: Backend options (`keep_unused`, `check_vma`...), passed to its `stage`.
+
+    Returns:
+        The `Lifted` function, or, with `fun=None`, a decorator making one.
+
+    Raises:
+        TypeError: If `graph` or `graph_updates` is not a bool or None, or as `Lifted`.
+        ValueError: If `graph` or `graph_updates` is False (flax's tree mode), or as
+            `Lifted`.
+        meshlift.BackendNotFoundError: If no installed backend has the name `backend`.
+        meshlift.plugins.PluginError: If two plugins register the name `backend`.
 
     Example:
 

@@ -109,6 +109,17 @@ def axis_rules(rules: Rules) -> Iterator[tuple[tuple[str, MeshAxes], ...]]:
     `nn.logical_axis_rules` are seen by meshlift. The block yields the
     rules as checked (a tuple of pairs).
 
+    Args:
+        rules: `(logical_name, mesh_axes)` pairs, in order; mesh axes are a name, a
+            tuple of names, None or `PartitionSpec.UNCONSTRAINED`.
+
+    Yields:
+        The rules as checked, a tuple of pairs.
+
+    Raises:
+        TypeError: If `rules` are not a sequence of well-formed pairs.
+        ValueError: If a rule repeats a mesh axis.
+
     Example:
 
     ```python
@@ -268,6 +279,21 @@ def logical_to_mesh_axes(
     Entries that are not names (None, `PartitionSpec.UNCONSTRAINED`) are
     kept, and a rule may give `PartitionSpec.UNCONSTRAINED`, as in flax.
 
+    Args:
+        names: One logical name, None or `PartitionSpec.UNCONSTRAINED` per dimension.
+        rules: Axis rules; None: those in context.
+        mesh: A Mesh or `{"data": 2, ...}` to check the rules' axes against; None: no
+            check.
+        strict: Make a skipped rule a `PlanError` instead of an `ml.AxisRuleWarning`.
+
+    Returns:
+        The mesh `PartitionSpec`; None if `names` is None.
+
+    Raises:
+        TypeError: If `rules` are malformed.
+        ValueError: If a rule repeats a mesh axis, or a name names two dimensions.
+        meshlift.PlanError: With `strict=True`, if a rule is skipped.
+
     Example:
 
     ```python
@@ -362,6 +388,22 @@ def logical_to_mesh(
 
     `mesh` and `strict` as for `logical_to_mesh_axes`.
 
+    Args:
+        specs: A `PartitionSpec` or tuple of logical names, or a pytree of them (None
+            leaves stay None).
+        rules: Axis rules; None: those in context.
+        mesh: A Mesh or `{"data": 2, ...}` to check the rules' axes against; None: no
+            check.
+        strict: Make a skipped rule a `PlanError` instead of an `ml.AxisRuleWarning`.
+
+    Returns:
+        The mesh `PartitionSpec`, or the same pytree of them.
+
+    Raises:
+        TypeError: If `rules` are malformed.
+        ValueError: If a rule repeats a mesh axis, or a name names two dimensions.
+        meshlift.PlanError: With `strict=True`, if a rule is skipped.
+
     Example:
 
     ```python
@@ -387,6 +429,20 @@ def logical_to_mesh_sharding(
     specs: Any, mesh: Mesh, rules: Rules | None = None, *, strict: bool = False
 ) -> Any:
     """Like `logical_to_mesh`, giving a `NamedSharding` on `mesh` per spec.
+
+    Args:
+        specs: A `PartitionSpec` or tuple of logical names, or a pytree of them.
+        mesh: The mesh of the shardings; rules naming axes it lacks are skipped.
+        rules: Axis rules; None: those in context.
+        strict: Make a skipped rule a `PlanError` instead of an `ml.AxisRuleWarning`.
+
+    Returns:
+        A `NamedSharding`, or the same pytree of them (None leaves stay None).
+
+    Raises:
+        TypeError: If `rules` are malformed.
+        ValueError: If a rule repeats a mesh axis, or a name names two dimensions.
+        meshlift.PlanError: With `strict=True`, if a rule is skipped.
 
     Example:
 
@@ -423,6 +479,23 @@ def with_logical_constraint(
     `RulesFallback` (its members or their values): `"axis_is_unsharded"`
     (default: replicated along it), `"raise_error"` (a ValueError, also
     without a mesh), `"no_constraint"` (that array is left unconstrained).
+
+    Args:
+        x: An array, or a pytree of arrays.
+        names: One logical name per dimension of `x`, or a tree of them matching `x`;
+            None: `x` unchanged.
+        rules: Axis rules; None: those in context.
+        mesh: The mesh; None: the one in context.
+        fallback: A flax `RulesFallback` or its value, for a name no rule maps.
+
+    Returns:
+        `x` constrained (or unchanged, as above).
+
+    Raises:
+        TypeError: If `rules` are malformed.
+        ValueError: If `fallback` is unknown (checked when rules are set), a rule
+            repeats a mesh axis, a name names two dimensions, or, with `"raise_error"`,
+            a name no rule maps.
 
     Example:
 

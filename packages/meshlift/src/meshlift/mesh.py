@@ -34,6 +34,21 @@ def make_mesh(
     `axis_shapes` is `{"data": 2, "model": 4}` or `(2, 4)` with `axis_names`.
     A mesh smaller than the device count uses the first devices, as `jax.make_mesh` does.
 
+    Args:
+        axis_shapes: `{axis name: size}` in mesh order, or the sizes alone (then give
+            `axis_names`).
+        axis_names: One name per entry of `axis_shapes`, when that is a sequence of sizes.
+        devices: The devices to lay out; default: `jax.devices()`.
+        axis_types: One `jax.sharding.AxisType` per axis; default: `Auto` for every axis.
+
+    Returns:
+        The `jax.sharding.Mesh`.
+
+    Raises:
+        TypeError: If names are given both as mapping keys and as `axis_names`, or not
+            one per axis.
+        ValueError: If the mesh needs more devices than are available.
+
     Example:
 
     ```python
@@ -74,6 +89,15 @@ def make_mesh(
 def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
     """Set the call-site mesh for every backend (`jax.set_mesh` underneath).
 
+    Args:
+        mesh: The mesh that bare `PartitionSpec`s resolve against inside the block.
+
+    Yields:
+        `mesh` itself.
+
+    Raises:
+        TypeError: If `mesh` is not a `jax.sharding.Mesh`.
+
     Example:
 
     ```python
@@ -95,6 +119,13 @@ def current_mesh(*, legacy: bool = False) -> Mesh | None:
     That is the mesh of `ml.use_mesh` / `jax.set_mesh`; with `legacy=True`,
     else the mesh of the deprecated `with mesh:` context (what old `pjit`
     code declares). Every part of meshlift looks the mesh up here.
+
+    Args:
+        legacy: Also look at the deprecated `with mesh:` context when no
+            `ml.use_mesh` mesh is set.
+
+    Returns:
+        The concrete `Mesh` in context, or None.
     """
     mesh = compat.concrete_mesh()
     if mesh is None and legacy:

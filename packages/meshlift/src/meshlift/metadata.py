@@ -87,6 +87,23 @@ def with_partitioning(
     `nn.with_partitioning(fn, names)`) the value is boxed in `nn.Partitioned`,
     whose names are mesh axes.
 
+    Args:
+        init_fn: The initializer to wrap (`init_fn(key, shape, dtype)`).
+        sharding: One mesh axis, logical name or None per dimension (flax NNX's name).
+        mesh: The mesh to place the new parameter on; None: the one of `ml.use_mesh`,
+            if any.
+        names: The same as `sharding`, under linen's name; give exactly one of the two.
+        **metadata: More NNX Variable metadata (such as `sharding_rules`).
+
+    Returns:
+        The wrapped initializer.
+
+    Raises:
+        TypeError: If neither or both of `sharding` and `names` are given, they are not
+            a sequence of names, `sharding_rules` are malformed, or (when it runs for
+            linen) `metadata` is given.
+        ValueError: If a rule of `sharding_rules` repeats a mesh axis.
+
     Example:
 
     ```python
@@ -149,6 +166,21 @@ def with_logical_partitioning(
     given, `sharding_rules=rules`; for linen and flax.core's `scope.param` the
     value is boxed in `nn.LogicallyPartitioned`. Rules given here apply to
     this parameter before those of `ml.axis_rules`.
+
+    Args:
+        init_fn: The initializer to wrap (`init_fn(key, shape, dtype)`).
+        names: One logical name or None per dimension.
+        mesh: The mesh to place the new parameter on; None: the one of `ml.use_mesh`,
+            if any.
+        rules: This parameter's own axis rules, applied first; None: only those in
+            context.
+
+    Returns:
+        The wrapped initializer.
+
+    Raises:
+        TypeError: If `names` is not a sequence of names, or `rules` are malformed.
+        ValueError: If a rule repeats a mesh axis.
 
     Example:
 
@@ -276,6 +308,18 @@ def get_partition_spec(tree: Any, rules: Any = None) -> Any:
     `nnx.get_partition_spec` does (outside any rules they stay logical). Passing
     `rules=` maps both kinds with exactly those rules.
 
+    Args:
+        tree: A module, `nnx.State`, linen variable dict, `TrainState` or abstract tree.
+        rules: Axis rules for every logical name; None: as described above.
+
+    Returns:
+        `tree` with a `PartitionSpec` per array (an `nnx.State` for a module).
+
+    Raises:
+        TypeError: If `rules` are malformed.
+        ValueError: If a rule repeats a mesh axis, or a logical name names two
+            dimensions of one array.
+
     Example:
 
     ```python
@@ -325,6 +369,21 @@ def get_sharding(
     one of `ml.use_mesh`. An axis rule skipped because the mesh lacks its
     axes gives an `ml.AxisRuleWarning` naming the parameters (with
     `strict=True`, a PlanError).
+
+    Args:
+        tree: A module, `nnx.State`, linen variable dict, `TrainState` or abstract tree.
+        mesh: The mesh; None: the one of `ml.use_mesh`.
+        rules: Logical axis rules; None: those in context.
+        strict: Make a rule skipped for an axis the mesh lacks a `PlanError` instead of
+            an `ml.AxisRuleWarning`.
+
+    Returns:
+        `tree` with a `NamedSharding` per array (an `nnx.State` for a module).
+
+    Raises:
+        TypeError: If there is no mesh, or `rules` are malformed.
+        meshlift.PlanError: Listing every parameter whose spec does not fit the mesh, or
+            whose logical names have no rules; with `strict=True`, for a skipped rule.
 
     Example:
 
@@ -379,6 +438,12 @@ def unbox(tree: Any) -> Any:
 
     A module gives the nested dict of its arrays (`nnx.to_pure_dict`).
 
+    Args:
+        tree: A module, `nnx.State`, or a pytree holding boxes or Variables.
+
+    Returns:
+        The same tree of plain arrays; for a module, a nested dict.
+
     Example:
 
     ```python
@@ -409,6 +474,13 @@ def replace_boxed(tree: Any, updates: Any) -> Any:
     The boxes (and their annotations) stay; `updates` is shaped like
     `ml.unbox(tree)`. For a module, its Variables are updated in place and the
     module is returned.
+
+    Args:
+        tree: A module, `nnx.State`, or a pytree holding boxes or Variables.
+        updates: The new arrays, shaped like `ml.unbox(tree)`.
+
+    Returns:
+        The updated tree; for a module, the module itself.
 
     Example:
 
@@ -448,6 +520,14 @@ def add_axis(tree: Any, index: int, axis_name: str | None) -> Any:
     `axis_name="layers"` its spec gains `'layers'` there (`None`: not
     sharded). NNX Variables are updated in place; linen boxes are replaced.
 
+    Args:
+        tree: A module, `nnx.State`, or a pytree holding boxes or Variables.
+        index: Where the new axis goes in each annotation.
+        axis_name: Its name; None: not sharded.
+
+    Returns:
+        The tree with the axis added; for a module, the module itself.
+
     Example:
 
     ```python
@@ -464,6 +544,17 @@ def add_axis(tree: Any, index: int, axis_name: str | None) -> Any:
 
 def remove_axis(tree: Any, index: int, axis_name: str | None) -> Any:
     """Remove the entry at `index` (which must be `axis_name`) from every annotation.
+
+    The inverse of `add_axis`: NNX Variables are updated in place; linen boxes
+    are replaced.
+
+    Args:
+        tree: A module, `nnx.State`, or a pytree holding boxes or Variables.
+        index: The position of the axis in each annotation.
+        axis_name: The name at `index` (None for an unsharded axis).
+
+    Returns:
+        The tree with the axis removed; for a module, the module itself.
 
     Example:
 

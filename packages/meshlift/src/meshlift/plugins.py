@@ -90,6 +90,9 @@ def first_party_backends() -> Mapping[str, str]:
     """Front-end name -> the distribution whose backend it runs, as the core's extras
     declare them (`jit = ["meshlift-jit"]`); empty if meshlift is not installed.
 
+    Returns:
+        A read-only mapping such as `{"jit": "meshlift-jit", ...}`.
+
     Example:
 
     ```python
@@ -113,13 +116,19 @@ _HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("meshlift_"))
 
 
 class PluginError(Exception):
-    """A plugin registered something meshlift cannot accept."""
+    """A plugin registered something meshlift cannot accept.
+
+    Raised for a name two backends or plugins claim, a first-party name taken by
+    another distribution, a registered object that is no `Backend`, and a
+    backend without the front end asked for.
+    """
 
 
 class BackendNotFoundError(LookupError):
     """No installed backend has the requested name.
 
     The message lists the installed backends and the distribution to install.
+    A `LookupError`.
     """
 
 
@@ -155,6 +164,15 @@ _registry: _Registry | None = None
 def backends() -> InstalledBackends:
     """Describe the installed backends and any plugins that failed to load.
 
+    Loads the plugins on first use.
+
+    Returns:
+        An `InstalledBackends`: iterate it for each `BackendInfo`, print it for a summary.
+
+    Raises:
+        BaseException: With `MESHLIFT_STRICT_PLUGINS=1`, the error of the first plugin
+            that fails to load, re-raised.
+
     Example:
 
     ```python
@@ -171,6 +189,18 @@ def get_backend(backend: str | Backend) -> Backend:
     """Return the backend registered under a name, or a `Backend` object as is.
 
     Passing an object lets an unpublished backend run without registering it.
+
+    Args:
+        backend: A registered name, or a `Backend` (returned unchanged).
+
+    Returns:
+        The `Backend`.
+
+    Raises:
+        TypeError: If `backend` is neither a string nor a `Backend`.
+        BackendNotFoundError: If no installed backend has that name; the message says
+            what to install or enable.
+        PluginError: If two plugins register that name (neither is used).
 
     Example:
 
@@ -200,6 +230,16 @@ def get_frontend(name: str) -> Callable[..., Any]:
 
     The names of `FRONT_ENDS` only their own distributions can register
     (`first_party_backends`), so `ml.jit` always reaches `meshlift-jit`'s.
+
+    Args:
+        name: The backend's name: one of `FRONT_ENDS` or a third party's.
+
+    Returns:
+        The backend's `frontend` callable.
+
+    Raises:
+        BackendNotFoundError: If no installed backend has that name.
+        PluginError: If the backend has no front end, or two plugins register the name.
 
     Example:
 
@@ -237,6 +277,13 @@ def get_frontend(name: str) -> Callable[..., Any]:
 def register_backend(backend: Backend) -> None:
     """Add a backend to this process's registry, as a plugin would.
 
+    Args:
+        backend: The backend to add under its `name`.
+
+    Raises:
+        PluginError: If `backend` is not a `Backend`, its name is taken, or it takes a
+            first-party name (`jit`...) while claiming another distribution.
+
     Example:
 
     ```python
@@ -254,6 +301,16 @@ def register_plugin(plugin: object, name: str | None = None) -> None:
     """Register a plugin object (module, class or instance) and its backends now.
 
     Errors are raised, not recorded.
+
+    Args:
+        plugin: An object with `@ml.hookimpl` functions named after the hooks.
+        name: The plugin's name; None: pluggy's canonical name for the object.
+
+    Raises:
+        PluginError: If a plugin of that name is registered already, or a backend it
+            registers is refused (as by `register_backend`).
+        pluggy.PluginValidationError: If it implements no hook, marks a function that is
+            no hook, or leaves a `meshlift_*` hook unmarked.
 
     Example:
 
@@ -273,7 +330,11 @@ def register_plugin(plugin: object, name: str | None = None) -> None:
 
 
 def plugin_manager() -> pluggy.PluginManager:
-    """The pluggy `PluginManager("meshlift")` holding every loaded plugin."""
+    """The pluggy `PluginManager("meshlift")` holding every loaded plugin.
+
+    Returns:
+        The `pluggy.PluginManager`; the plugins are loaded if they were not yet.
+    """
     return _get_registry().pm
 
 

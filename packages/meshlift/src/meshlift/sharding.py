@@ -35,6 +35,15 @@ Spec: TypeAlias = PartitionSpec | Sharding | None
 class path_endswith:
     """Filter matching parameters whose path ends with `parts`.
 
+    Called as a filter, `path_endswith(*parts)(path, value)` is True where the
+    last `len(parts)` entries of `path`, as strings, equal `parts`.
+
+    Args:
+        *parts: The last entries of a path (`"linear1", "kernel"`); compared as strings.
+
+    Raises:
+        TypeError: If no part is given.
+
     Example:
 
     ```python
@@ -42,7 +51,7 @@ class path_endswith:
     ```
     """
 
-    def __init__(self, *parts: Hashable):
+    def __init__(self, *parts: Hashable) -> None:
         if not parts:
             raise TypeError(
                 "path_endswith needs at least one path part, e.g. path_endswith('kernel')"
@@ -156,9 +165,22 @@ class StateSharding:
 
     A parameter that no filter matches is an error naming its path: end the
     plan with `...: P()` to replicate the rest.
+
+    Args:
+        rules: `{filter: spec}`, `(filter, spec)` pairs in order, flax's
+            `nnx.StateSharding`, or an `nnx.State` / nested mapping of specs shaped like
+            the model.
+
+    Attributes:
+        rules: `(filter, predicate, spec)` for each rule, in order.
+
+    Raises:
+        TypeError: If a spec is not a `PartitionSpec`, a `NamedSharding` or None.
     """
 
-    def __init__(self, rules: Mapping[Any, Any] | Iterable[tuple[Any, Spec]] | nnx.StateSharding):
+    def __init__(
+        self, rules: Mapping[Any, Any] | Iterable[tuple[Any, Spec]] | nnx.StateSharding
+    ) -> None:
         if isinstance(rules, nnx.StateSharding):  # flax's own object: the same pairs
             rules = zip(rules.filters, rules.shardings, strict=True)
         elif _shaped_like_a_model(rules):  # flax's StateSharding(nnx.State({...specs...}))
@@ -176,6 +198,15 @@ class StateSharding:
         A spec at an inner node applies to every parameter below it; deeper entries win.
         `StateSharding(specs)` does the same for an `nnx.State` or a nested mapping
         (as flax's `nnx.StateSharding(state)`); `from_state` also takes a flat one.
+
+        Args:
+            specs: An `nnx.State` or mapping of specs, nested like the model.
+
+        Returns:
+            The plan, one rule per entry, the deepest first.
+
+        Raises:
+            TypeError: If a leaf is not a `PartitionSpec`, a `NamedSharding` or None.
 
         Example:
 
@@ -209,6 +240,26 @@ class StateSharding:
         (with `strict=True`, a PlanError). Each parameter matches by the end of
         its path, so the plan of a model also shards its optimizer state;
         unannotated arrays are replicated.
+
+        Args:
+            model_or_tree: A module, `nnx.State`, variable dict, `TrainState` or
+                abstract tree holding the annotations.
+            rules: Logical axis rules; None: those in context.
+            mesh: A mesh (or `{"data": 2, ...}`) to check the rules' axes against;
+                None: no check.
+            strict: Make a rule skipped for an axis the mesh lacks a `PlanError`
+                instead of an `ml.AxisRuleWarning`.
+
+        Returns:
+            A plan with one rule per annotated parameter, the most specific path
+                first, then `...: P()`.
+
+        Raises:
+            meshlift.PlanError: If a parameter has logical names and no rules are set,
+                or, with `strict=True`, a rule is skipped.
+            TypeError: If `rules` are malformed.
+            ValueError: If a rule repeats a mesh axis, or a logical name names two
+                dimensions of one array.
 
         Example:
 
@@ -246,11 +297,33 @@ class StateSharding:
         return cls([*pairs, (..., PartitionSpec())])
 
     def spec_for(self, path: Path, value: Any) -> Spec:
-        """The spec of the first rule matching `(path, value)`; a PlanError if none does."""
+        """The spec of the first rule matching `(path, value)`; a PlanError if none does.
+
+        Args:
+            path: The parameter's path, a tuple of keys (`("linear1", "kernel")`).
+            value: The parameter (a Variable or an array), for type filters.
+
+        Returns:
+            The rule's `PartitionSpec`, `NamedSharding` or None.
+
+        Raises:
+            meshlift.PlanError: If no filter matches.
+        """
         return self.rules[self.rule_for(path, value)][2]
 
     def rule_for(self, path: Path, value: Any) -> int:
-        """The index of the first rule matching `(path, value)`; a PlanError if none does."""
+        """The index of the first rule matching `(path, value)`; a PlanError if none does.
+
+        Args:
+            path: The parameter's path, a tuple of keys.
+            value: The parameter (a Variable or an array), for type filters.
+
+        Returns:
+            The index into `rules`.
+
+        Raises:
+            meshlift.PlanError: If no filter matches.
+        """
         for i, (_, predicate, _) in enumerate(self.rules):
             if predicate(path, value):
                 return i

@@ -49,14 +49,17 @@ class _Stage:
 
     @property
     def in_avals(self) -> Any:
+        """JAX's `in_avals` as `(args, kwargs)`, each module an `nnx.State`."""
         return self._layout.as_arguments(self._jax_stage.in_avals)
 
     @property
     def args_info(self) -> Any:
+        """JAX's `args_info` as `(args, kwargs)`, each module an `nnx.State`."""
         return self._layout.as_arguments(self._jax_stage.args_info)
 
     @property
     def out_info(self) -> Any:
+        """JAX's `out_info` as the caller's output, graph outputs as `nnx.State`."""
         return as_output(self._jax_stage.out_info)
 
     @property
@@ -75,13 +78,26 @@ class Traced(_Stage):
 
     @property
     def jax_traced(self) -> Any:
+        """JAX's own `Traced`, over the pure function."""
         return self._jax_stage
 
     @property
     def out_avals(self) -> Any:
+        """JAX's `out_avals` as the caller's output."""
         return as_output(self._jax_stage.out_avals)
 
     def lower(self, **kwargs: Any) -> Lowered:
+        """JAX's `Traced.lower`.
+
+        Args:
+            **kwargs: JAX's `lower` keywords, passed on.
+
+        Returns:
+            A `Lowered` for the same arguments.
+
+        Raises:
+            meshlift.PlanError: If a spec does not fit its argument.
+        """
         with named_errors(self._layout):
             return Lowered(self._jax_stage.lower(**kwargs), self._entry, self._lifted)
 
@@ -91,10 +107,19 @@ class Lowered(_Stage):
 
     @property
     def jax_lowered(self) -> Any:
+        """JAX's own `Lowered`, over the pure function."""
         return self._jax_stage
 
     def compile(self, compiler_options: dict[str, Any] | None = None, **kwargs: Any) -> Compiled:
-        """JAX's `compile` (`compiler_options`, and its keywords such as `device_assignment`)."""
+        """JAX's `compile` (`compiler_options`, and its keywords such as `device_assignment`).
+
+        Args:
+            compiler_options: XLA compiler options, as for JAX's `compile`; None: none.
+            **kwargs: JAX's other `compile` keywords, passed on.
+
+        Returns:
+            A `Compiled`, called like the lifted function without its static arguments.
+        """
         compiled = self._jax_stage.compile(compiler_options, **kwargs)
         return Compiled(compiled, self._entry, self._lifted)
 
@@ -104,18 +129,28 @@ class Compiled(_Stage):
 
     `as_text`, `cost_analysis` and `memory_analysis` are JAX's;
     `input_shardings` and `output_shardings` are in the caller's terms.
+    Calling it runs the program and writes back as a call of the lifted
+    function does.
+
+    Raises:
+        TypeError: When called with another number of positional arguments or other
+            keyword names than it was lowered with, or with arguments of another
+            structure, shape, dtype or static value.
     """
 
     @property
     def jax_compiled(self) -> Any:
+        """JAX's own `Compiled`, over the pure function."""
         return self._jax_stage
 
     @property
     def input_shardings(self) -> Any:
+        """JAX's `input_shardings` as `(args, kwargs)`, each module an `nnx.State`."""
         return self._layout.as_arguments(self._jax_stage.input_shardings)
 
     @property
     def output_shardings(self) -> Any:
+        """JAX's `output_shardings` as the caller's output."""
         return as_output(self._jax_stage.output_shardings)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,18 @@ Result = TypeVar("Result")
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """`jax.jit` over the pure function, with the core's leaf-level shardings."""
+    """`jax.jit` over the pure function, with the core's leaf-level shardings.
+
+    Args:
+        fn: The pure function the core built.
+        spec: Its shardings, donated arguments and `jax.jit` options.
+
+    Returns:
+        The `jax.jit`-wrapped function.
+
+    Raises:
+        ValueError: If `device=` or `backend=` is given next to shardings.
+    """
     shardings = {"in_shardings": spec.in_specs, "out_shardings": spec.out_specs}
     if "device" in spec.options or "backend" in spec.options:
         if any(s is not None for s in jax.tree.leaves(shardings)):
@@ -119,6 +130,36 @@ def jit(
     function land on the caller's objects. `graph`/`graph_updates` are
     `nnx.jit`'s: True is what meshlift does anyway, False (tree mode) is refused.
 
+    Args:
+        fun: The function to lift; None gives a decorator.
+        in_shardings: Shardings of the positional arguments (a pytree prefix); None:
+            unspecified.
+        out_shardings: Shardings of the output (a pytree prefix); None: unspecified.
+        static_argnums: Positions of static arguments, as in `jax.jit`.
+        static_argnames: Names of static arguments, as in `jax.jit`.
+        donate_argnums: Positions of donated arguments, as in `jax.jit`.
+        donate_argnames: Names of donated arguments, as in `jax.jit`.
+        keep_unused: `jax.jit`'s.
+        device: `jax.jit`'s; refused next to shardings.
+        backend: `jax.jit`'s; refused next to shardings.
+        inline: `jax.jit`'s.
+        compiler_options: `jax.jit`'s.
+        mesh: The mesh bare `PartitionSpec`s resolve against; None: the one of
+            `ml.use_mesh` at each call.
+        graph: `nnx.jit`'s: True or None; False is refused.
+        graph_updates: `nnx.jit`'s: True or None; False is refused.
+
+    Returns:
+        The `Lifted` function, or, with `fun=None`, a decorator making one.
+
+    Raises:
+        TypeError: As `ml.transform` (a non-callable `fun`, a `mesh` that is no mesh).
+        ValueError: If `graph` or `graph_updates` is False, or the static or donated
+            arguments do not fit `fun`; at the first call, if `device`/`backend` come
+            with shardings.
+        meshlift.PlanError: If a module stands where shardings go; at a call, if a
+            sharding does not fit its argument.
+
     Example:
 
     ```python
@@ -166,8 +207,19 @@ def jit(
 
 
 def read_specs(in_shardings: Any, out_shardings: Any, options: Mapping[str, Any]) -> ml.Specs:
-    """The specs as given, named as `jax.jit` names them in errors; jax's own `UNSPECIFIED`
-    marker (what `jax.jit` passes for an omitted sharding) reads as None, as in `jax.jit`."""
+    """The specs as given, named as `jax.jit` names them in errors.
+
+    jax's own `UNSPECIFIED` marker (what `jax.jit` passes for an omitted
+    sharding) reads as None, as in `jax.jit`.
+
+    Args:
+        in_shardings: The argument shardings given to `jit`.
+        out_shardings: The output shardings given to `jit`.
+        options: The other options (unused).
+
+    Returns:
+        `Specs` named `in_shardings`/`out_shardings`.
+    """
     return ml.Specs(
         _unspecified_as_none(in_shardings),
         _unspecified_as_none(out_shardings),

@@ -56,7 +56,15 @@ Result = TypeVar("Result")
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """`jax.jit` over the pure function, with shardings resolved on the call-site mesh."""
+    """`jax.jit` over the pure function, with shardings resolved on the call-site mesh.
+
+    Args:
+        fn: The pure function the core built.
+        spec: Its shardings, mesh, donated arguments and `jax.jit` options.
+
+    Returns:
+        The `jax.jit`-wrapped function; on a concrete mesh, wrapped to run under it.
+    """
     jitted = jax.jit(
         fn,
         in_shardings=spec.in_specs,
@@ -105,6 +113,17 @@ def read_specs(in_specs: Any, out_specs: Any, options: Mapping[str, Any]) -> ml.
     `out_shardings`, among the options) stand for `in_specs`/`out_specs`;
     `None` inside a spec tree means replicated on the mesh (the compiler's
     choice with no mesh). `in_specs=None` from `ml.transform` is "not given".
+
+    Args:
+        in_specs: `ml.transform`'s `in_specs`; None: not given.
+        out_specs: `ml.transform`'s `out_specs`; None: not given.
+        options: The options, where `pjit`'s own spec arguments arrive.
+
+    Returns:
+        `Specs` named as they were given, with a reading for calls with no mesh.
+
+    Raises:
+        ValueError: If the same specs are given under two names.
     """
     read = [
         pick(
@@ -131,12 +150,27 @@ def _given(specs: Any) -> Any:
 
 
 def read_mesh(mesh: Any) -> Any:
-    """The given mesh, or else the one in context at each call (`call_site_mesh`)."""
+    """The given mesh, or else the one in context at each call (`call_site_mesh`).
+
+    Args:
+        mesh: The mesh given to `ml.transform`, or None.
+
+    Returns:
+        `mesh`, or `call_site_mesh` if it is None.
+    """
     return call_site_mesh if mesh is None else mesh
 
 
 def read_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """`jax.jit`'s options: every one but the spec arguments `read_specs` took."""
+    """`jax.jit`'s options: every one but the spec arguments `read_specs` took.
+
+    Args:
+        options: The options given to `ml.transform`.
+
+    Returns:
+        A new dict without `in_axis_resources`, `out_axis_resources`, `in_shardings`
+            and `out_shardings`.
+    """
     return {k: v for k, v in options.items() if k not in _IN_NAMES + _OUT_NAMES}
 
 
@@ -161,6 +195,27 @@ def pjit(
     `out_shardings` are the later names of the same arguments. As in old
     `pjit` and `jax.jit`, keyword arguments are refused when specs are
     given, unless static. `keep_unused` is `jax.jit`'s.
+
+    Args:
+        fun: The function to lift.
+        in_axis_resources: Specs of the positional arguments; not given: unspecified.
+        out_axis_resources: Specs of the output; not given: unspecified.
+        static_argnums: Positions of static arguments, as in `jax.jit`.
+        donate_argnums: Positions of donated arguments, as in `jax.jit`.
+        in_shardings: The later name of `in_axis_resources`; give one of the two.
+        out_shardings: The later name of `out_axis_resources`; give one of the two.
+        static_argnames: Names of static arguments, as in `jax.jit`.
+        donate_argnames: Names of donated arguments, as in `jax.jit`.
+        keep_unused: `jax.jit`'s.
+
+    Returns:
+        The `Lifted` function; its mesh is the one in context at each call.
+
+    Raises:
+        ValueError: If specs are given under both names, or the static or donated
+            arguments do not fit `fun`; at a call, for keyword arguments next to specs.
+        meshlift.PlanError: If a module stands where specs go; at a call, if a spec
+            does not fit its argument or needs a mesh and there is none.
 
     Example:
 

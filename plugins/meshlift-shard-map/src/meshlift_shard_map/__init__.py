@@ -127,6 +127,37 @@ def shard_map(
     the deprecated names from `jax.experimental.shard_map`; `graph` and
     `graph_updates` are `nnx.shard_map`'s (True, or None; tree mode is refused).
 
+    Args:
+        f: The function to lift; None gives a decorator.
+        in_specs: Specs of the positional arguments (a pytree prefix).
+        out_specs: Specs of the output (a pytree prefix).
+        mesh: A `Mesh`, an `AbstractMesh`, or None for the mesh of `ml.use_mesh`.
+        axis_names: The manual axes; empty: every axis of the mesh.
+        check_vma: `jax.shard_map`'s varying-manual-axes check.
+        jit: Wrap the map in `jax.jit`; False runs it eagerly (no donation).
+        static_argnums: Positions of static arguments, as in `jax.jit`.
+        static_argnames: Names of static arguments, as in `jax.jit`.
+        donate_argnums: Positions of donated arguments (needs `jit=True`).
+        donate_argnames: Names of donated arguments (needs `jit=True`).
+        check_rep: The old name of `check_vma`; give one of the two.
+        auto: The old complement of `axis_names`: the axes left automatic.
+        graph: `nnx.shard_map`'s: True or None; False is refused.
+        graph_updates: `nnx.shard_map`'s: True or None; False is refused.
+
+    Returns:
+        The `Lifted` function, or, with `f=None`, a decorator making one.
+
+    Raises:
+        TypeError: If `mesh` is no `Mesh` or `AbstractMesh`, or old and new option
+            names are mixed.
+        ValueError: If `graph` or `graph_updates` is False, or the static or donated
+            arguments do not fit `f`; at the first call, if there is no device mesh,
+            `axis_names` names an axis the mesh lacks, an abstract `mesh` finds no mesh
+            of its shape in context, or `jit=False` comes with donation.
+        meshlift.PlanError: If a module stands where specs go; at a call, if a spec
+            does not fit its argument.
+        AxisNameError: At a call, if a collective names an axis that is not manual.
+
     Example:
 
     ```python
@@ -168,8 +199,21 @@ def shard_map(
 
 
 def read_mesh(mesh: Mesh | AbstractMesh | None) -> Any:
-    """The mesh as `ml.shard_map` reads it: an AbstractMesh is matched, at each call,
-    against the `ml.use_mesh` mesh of its shape."""
+    """The mesh as `ml.shard_map` reads it.
+
+    An AbstractMesh is matched, at each call, against the `ml.use_mesh` mesh of
+    its shape.
+
+    Args:
+        mesh: A `Mesh`, an `AbstractMesh` or None.
+
+    Returns:
+        A `Mesh` or None as given; for an `AbstractMesh`, a function returning the
+            matching mesh at each call (a ValueError there if there is none).
+
+    Raises:
+        TypeError: If `mesh` is none of these.
+    """
     if mesh is None or isinstance(mesh, Mesh):
         return mesh
     if not isinstance(mesh, AbstractMesh):

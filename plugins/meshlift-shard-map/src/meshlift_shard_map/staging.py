@@ -36,11 +36,29 @@ from meshlift_shard_map.options import manual_axes, normalize
 
 
 class AxisNameError(NameError):
-    """A collective inside the mapped function names an axis it is not manual over."""
+    """A collective inside the mapped function names an axis it is not manual over.
+
+    A `NameError`, as JAX raises for an unbound axis name; the message names the
+    manual axes and the mesh's.
+    """
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
-    """`jax.jit(jax.shard_map(fn, ...))` with specs from the core's leaf shardings."""
+    """`jax.jit(jax.shard_map(fn, ...))` with specs from the core's leaf shardings.
+
+    Args:
+        fn: The pure function the core built.
+        spec: Its shardings, mesh, donated arguments and `shard_map` options.
+
+    Returns:
+        The jitted map; with `jit=False`, an object running the map eagerly that
+            still has `trace`, `lower` and `eval_shape`.
+
+    Raises:
+        TypeError: If an option is unknown, or old and new names are mixed.
+        ValueError: If there is no device mesh, `axis_names` names an axis the mesh
+            lacks, or `jit=False` comes with donation.
+    """
     options = normalize(spec.options)
     mesh = _mesh_of(spec)
     manual = manual_axes(options, mesh.axis_names)
