@@ -50,6 +50,16 @@ class Blocks:
     `dims` are the dimensions drawn: rows, then columns (a 1-D array is one
     row of blocks; of a higher-rank array, the dimensions that are split, at
     most two). `grid()` gives the device-id labels as they are drawn.
+
+    Attributes:
+        path: The parameter's path, as `ml.explain` writes it (`"linear1.kernel"`).
+        shape: The whole array's shape.
+        dtype: The array's dtype name.
+        spec: Its `PartitionSpec` on the mesh.
+        mesh_shape: The mesh's axis sizes, `{"data": 2, "model": 4}`.
+        platform: The devices' platform (`"cpu"`, `"gpu"`), as labels show it.
+        dims: The dimensions drawn: rows, then columns.
+        blocks: Every distinct block: its index range per dimension and its devices.
     """
 
     path: str
@@ -65,7 +75,21 @@ class Blocks:
     def of(
         cls, path: str, shape: tuple[int, ...], dtype: str, spec: PartitionSpec, mesh: Mesh
     ) -> Blocks:
-        """The blocks of the array at `path` under `spec` on `mesh`, as JAX places it."""
+        """The blocks of the array at `path` under `spec` on `mesh`, as JAX places it.
+
+        Args:
+            path: The parameter's path, for the title.
+            shape: The array's shape.
+            dtype: The array's dtype name, for the title.
+            spec: Its `PartitionSpec`.
+            mesh: The `jax.sharding.Mesh` it is placed on.
+
+        Returns:
+            The blocks, from `NamedSharding(mesh, spec).devices_indices_map(shape)`.
+
+        Raises:
+            PlanError: The spec splits more than two dimensions (a picture shows two).
+        """
         indices: dict[Any, Any] = dict(NamedSharding(mesh, spec).devices_indices_map(shape))
         holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for device, index in indices.items():
@@ -89,7 +113,11 @@ class Blocks:
         return sorted({b.index[dim] for b in self.blocks})
 
     def grid(self) -> list[list[str]]:
-        """The label of each block as drawn, row by row: its device ids, `"0,4"`."""
+        """The label of each block as drawn, row by row: its device ids, `"0,4"`.
+
+        Returns:
+            One list per row of blocks, one label per column.
+        """
         rows, columns = self._axes()
         found = {
             (
@@ -110,6 +138,7 @@ class Blocks:
         return None, (self.dims[0] if self.dims else None)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data for `meshlift plan --show --json`: every block's index ranges and devices."""
         return {
             "path": self.path,
             "shape": list(self.shape),
@@ -166,6 +195,10 @@ class Blocks:
     def svg(self) -> str:
         """The picture as an SVG document: the array's blocks to scale, each labelled
         with its device ids, the split dimensions labelled with their mesh axes.
+
+        Returns:
+            The SVG document, to write to a `.svg` file or show in a notebook
+            (`IPython.display.SVG(blocks.svg())`).
 
         Example:
 
