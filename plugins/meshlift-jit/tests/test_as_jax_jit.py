@@ -113,6 +113,48 @@ def test_a_compiled_function_called_with_other_dtypes_names_the_argument():
     assert compiled(model, batch).shape == (1, 3)  # still callable with the right types
 
 
+@pytest.mark.parametrize(
+    ("given", "differ"),
+    [
+        (
+            ({"y": jnp.ones(3)}, jnp.ones(3)),
+            "given `a.y`, which it was not compiled for; not given `a.x`",
+        ),
+        (
+            ({"x": jnp.ones(3)}, (jnp.ones(3),)),
+            "given `b.0`, which it was not compiled for; not given `b`",
+        ),
+    ],
+)
+def test_a_compiled_function_given_another_tree_names_the_paths(given, differ):
+    def f(a, b):
+        return a["x"] + b
+
+    lowered_for = ({"x": jnp.ones(3)}, jnp.ones(3))
+    with pytest.raises(TypeError, match="does not match the input pytree"):  # the reference
+        jax.jit(f).lower(*lowered_for).compile()(*given)
+    compiled = ml.jit(f).lower(*lowered_for).compile()
+    with pytest.raises(TypeError) as raised:
+        compiled(*given)
+    assert str(raised.value) == (
+        f"f was compiled for arguments of another structure: {differ}. "
+        "Call .lower(...).compile() again for these arguments"
+    )
+
+
+def test_a_compiled_function_given_a_module_of_another_structure_names_its_new_variable():
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+
+    model, grown = Scale(), Scale()
+    grown.extra = nnx.Param(jnp.ones(2))
+    compiled = ml.jit(lambda m, x: m.w[...] * x).lower(model, jnp.ones(3)).compile()
+    with pytest.raises(TypeError, match=r"given `m\.extra`, which it was not compiled for\."):
+        compiled(grown, jnp.ones(3))
+    assert jnp.array_equal(compiled(model, jnp.ones(3)), jnp.ones(3))
+
+
 @pytest.mark.xfail(
     "unreduced" not in inspect.signature(P).parameters,
     reason="this jax has no unreduced PartitionSpecs (jax 0.9)",

@@ -172,10 +172,7 @@ class Compiled(_Stage):
         kwargs = {**kwargs, **named_statics(layout.statics)}
         current, call = lifted._entry(args, kwargs, layout.mesh)
         if current.staged is not self._entry.staged:
-            raise TypeError(
-                "these arguments differ in structure, shardings or static values from the ones "
-                "this function was compiled for; call .lower(...).compile() again for them"
-            )
+            raise TypeError(self._mismatch(current.layout))
         try:
             return calls.run(current, self._jax_stage, call)
         except TypeError as error:  # JAX's, about its flat inputs: say it by the caller's paths
@@ -187,6 +184,32 @@ class Compiled(_Stage):
                 + "; ".join(differ)
                 + ". Call .lower(...).compile() again for these arguments"
             ) from error
+
+    def _mismatch(self, layout: Any) -> str:
+        """Why arguments laid out as `layout` cannot call this: the paths that are not the
+        compiled ones (as jax.jit's Compiled says where the trees differ), else the rest."""
+        compiled, given = self._argument_paths(self._layout), self._argument_paths(layout)
+        new = [p for p in given if p not in compiled]
+        missing = [p for p in compiled if p not in given]
+        again = "Call .lower(...).compile() again for these arguments"
+        if not new and not missing:
+            return (
+                f"{self._lifted.names.function} was compiled for these arguments' structure "
+                f"with other shardings or static values. {again}"
+            )
+        differ = [f"given {_few(new)}, which it was not compiled for"] if new else []
+        differ += [f"not given {_few(missing)}"] if missing else []
+        return (
+            f"{self._lifted.names.function} was compiled for arguments of another structure: "
+            f"{'; '.join(differ)}. {again}"
+        )
+
+    def _argument_paths(self, layout: Any) -> list[str]:
+        """The caller's path of every array argument laid out as `layout`."""
+        groups = (layout.var_groups[0], layout.dyn_groups[0])
+        groups += (layout.var_groups[1], layout.dyn_groups[1])
+        tree = layout.as_arguments((tuple((0,) * len(g) for g in groups), {}))
+        return [self._caller_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     def _differences(self, current: Any, call: Any) -> list[str]:
         """Each argument whose shape or dtype is not what this was compiled for, by path."""
@@ -210,6 +233,11 @@ class Compiled(_Stage):
         else:
             name = key_name(argument)
         return format_path((name, *map(key_name, inside)))
+
+
+def _few(paths: list[str]) -> str:
+    shown = ", ".join(f"`{p}`" for p in paths[:3])
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def as_output(tree: Any) -> Any:
