@@ -3,7 +3,7 @@
 import array
 import collections
 import dataclasses
-import re
+import inspect
 from typing import Any
 
 import attrs
@@ -170,20 +170,65 @@ def test_variable_whose_rank_changed_so_its_plan_no_longer_fits_is_named():
         jax.device_put(kernel, NamedSharding(mesh, P(None, "model")))
 
 
-def test_a_jax_error_naming_a_staged_input_gets_a_note_naming_the_callers():
-    def branch(m, x):
-        return x if m.kernel[0, 0] > 0 else -x
+@pytest.mark.parametrize("donate", [False, True])
+def test_jax_names_the_callers_arguments_in_its_own_errors(donate):
+    """JAX's message says which argument, in the caller's paths, whichever staged group
+    (kept or donated, Variable or other leaf) the array is in: as jax.jit says `k`."""
+
+    def branch(m, x, y):
+        return x if m.kernel[0, 0] > 0 else -y["b"][0]
 
     layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
-        ml.jit(branch)(layer, jnp.ones(2))
-    assert "tracing the function branch at" in str(info.value)  # its own name, from JAX
-    staged = re.search(r"argument (kept_vars\[\d+\])", str(info.value))
-    assert staged
-    note = next(n for n in info.value.__notes__ if n.startswith("meshlift:"))
-    assert f"{staged.group(1)} is `m.kernel`" in note and "kept_dyn[" not in note
-    with pytest.raises(jax.errors.TracerBoolConversionError, match="argument k"):
+    donated = (0, 2) if donate else ()
+    for depends_on, inputs in (
+        ("m.kernel", (layer, jnp.ones(2), {"b": [jnp.ones(2)]})),
+        ("x", (layer, jnp.ones(2), {"b": [jnp.ones(2)]})),
+        ("y.b.0", (layer, jnp.ones(2), {"b": [jnp.ones(2)]})),
+    ):
+
+        def on(m, x, y, depends_on=depends_on):
+            tested = {"m.kernel": m.kernel[0, 0], "x": x[0], "y.b.0": y["b"][0][0]}[depends_on]
+            return x if tested > 0 else -x
+
+        with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+            ml.jit(on, donate_argnums=donated)(*inputs)
+        message = str(info.value)
+        assert "tracing the function on at" in message  # its own name, from JAX
+        assert f"depends on the value of the argument {depends_on}.\n" in message
+    with pytest.raises(jax.errors.TracerBoolConversionError, match="the argument k"):
         jax.jit(lambda k, x: x if k[0, 0] > 0 else -x)(layer.kernel[...], jnp.ones(2))
+
+
+def test_jax_names_each_array_of_a_variable_holding_a_pytree():
+    class Holder(nnx.Module):
+        def __init__(self, value):
+            self.tree = nnx.Param(value)
+
+    def branch(m):
+        return m.tree.get_value()["b"][1][0] > 0 and 1.0
+
+    with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument m\.tree\.b\.1\."):
+        ml.jit(branch)(Holder({"a": jnp.ones(1), "b": [jnp.ones(2), jnp.ones(3)]}))
+    # the same Variable made to hold another structure: JAX is told its new arrays' names
+    holder = Holder(jnp.ones(2))
+    total = ml.jit(lambda m: jax.tree.reduce(lambda a, b: a + b.sum(), m.tree.get_value(), 0.0))
+    assert float(total(holder)) == 2.0
+    holder.tree.set_value({"a": jnp.ones(3), "b": jnp.ones(4)})
+    assert float(total(holder)) == 7.0
+
+
+def test_jax_says_a_cache_miss_is_at_the_callers_line_and_argument(caplog):
+    def f(m, x):
+        return m(x)
+
+    layer, lifted = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), ml.jit(f)
+    lifted(layer, jnp.ones((1, 2)))
+    line = inspect.currentframe().f_lineno + 2  # the call's line
+    with jax.explain_cache_misses(True), caplog.at_level("WARNING"):
+        lifted(layer, jnp.ones((1, 2), jnp.int32))
+    message = next(r.getMessage() for r in caplog.records if "TRACING CACHE MISS" in r.getMessage())
+    assert f"TRACING CACHE MISS at {__file__}:{line}" in message
+    assert "* at x, now i32[1,2] and before f32[1,2]" in message
 
 
 def test_output_spec_that_does_not_divide_the_output_is_named():

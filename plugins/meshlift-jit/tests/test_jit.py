@@ -1,7 +1,6 @@
 """ml.jit: numbers, shardings, write-back, options and stages on 8 CPU devices."""
 
 import gc
-import re
 import weakref
 
 import jax
@@ -416,15 +415,13 @@ def test_jax_errors_name_the_callers_arguments_not_the_staged_inputs():
         return m(x) if m.linear1.kernel[0, 0] > 0 else x
 
     x = jnp.ones((2, 16))
-    for fn, name in ((branch_on_data, "`x`"), (branch_on_a_parameter, "`m.linear1.kernel`")):
+    for fn, name in ((branch_on_data, "x"), (branch_on_a_parameter, "m.linear1.kernel")):
         for stage in (ml.jit(fn), ml.jit(fn).lower):
             with pytest.raises(jax.errors.TracerBoolConversionError) as info:
                 stage(model, x)
             message = str(info.value)  # JAX's own words, with the function's own name
             assert f"tracing the function {fn.__name__} at {__file__}" in message
-            staged = re.search(r"depends on the value of the argument (kept_\w+\[\d+\])", message)
-            assert staged, message
-            assert any(f"{staged.group(1)} is {name}" in note for note in info.value.__notes__)
+            assert f"depends on the value of the argument {name}.\n" in message
 
 
 def test_wrapping_a_function_again_shares_its_programs_and_drops_them_with_it():

@@ -235,7 +235,7 @@ class Blocks:
                     f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" '
                     f'text-anchor="middle">{_escape(label)}</text>'
                 )
-        lines = [(left, 18, self._title())]
+        lines: list[tuple[float, float, str]] = [(left, 18, self._title())]
         if columns is not None:
             lines.append((left, top - 10, self._along(columns, "columns")))
         notes = [self._caption()]

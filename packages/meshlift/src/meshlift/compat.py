@@ -13,7 +13,9 @@ The names: `nnx.Variable._raw_value` / `._var_metadata` / `._can_update`,
 `flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache`, `jax._src.state.types.AbstractRef`,
 `flax.linen.module._context.module_stack`, `jax.Array._committed`,
 `jax._src.core.trace_state_clean`, `jax._src.mesh.get_concrete_mesh`,
-`jax._src.mesh.thread_resources` and `jax._src.named_sharding.DuplicateSpecError`.
+`jax._src.mesh.thread_resources`, `jax._src.named_sharding.DuplicateSpecError`,
+`jax._src.core.DebugInfo` with `jax._src.api_util.fun_sourceinfo` (a staged function's
+`__fun_debug_info__`) and `jax._src.source_info_util.register_exclusion`.
 """
 
 from __future__ import annotations
@@ -205,3 +207,47 @@ def graph_mode() -> Any:
             if switch is not None:
                 stack.enter_context(switch(True))
         yield
+
+
+def debug_info(traced_for: str, fun: Callable[..., Any], arg_names: tuple[str, ...]) -> Any:
+    """JAX's `DebugInfo` for a function staged in `fun`'s place whose flat inputs are
+    `arg_names`: set as its `__fun_debug_info__` (as jax's own wrappers do), JAX's
+    messages name `fun` and the caller's arguments. None where jax has no such type.
+
+    Should a call give the staged function another number of arrays than it was named
+    for (a Variable of the same object made to hold a pytree), JAX is told no names
+    rather than wrong ones."""
+    try:
+        from jax._src import api_util
+
+        return _caller_names()(traced_for, api_util.fun_sourceinfo(fun), arg_names, None)
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+@functools.cache
+def _caller_names() -> type:
+    from jax._src import core
+
+    class CallerNames(core.DebugInfo):
+        __slots__ = ()
+
+        def safe_arg_names(self, expected_count: int) -> tuple[str, ...]:
+            if self.arg_names is not None and len(self.arg_names) == expected_count:
+                return tuple(self.arg_names)
+            return ("",) * expected_count
+
+        def assert_arg_names(self, expected_count: int) -> None:
+            return None
+
+    return CallerNames
+
+
+@functools.cache
+def hide_from_source_info(directory: str) -> None:
+    """Have JAX skip frames under `directory` when it says where user code is ("TRACING
+    CACHE MISS at x.py:12", an equation's source line), as it skips its own."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from jax._src import source_info_util
+
+        source_info_util.register_exclusion(directory)

@@ -47,7 +47,7 @@ from jax.sharding import Sharding
 from meshlift import compat, resolve
 from meshlift.arguments import Signature, static_key
 from meshlift.graph import GraphSplit, is_graph_leaf, is_graph_type, raw
-from meshlift.paths import Path, PlanError, format_path
+from meshlift.paths import Path, PlanError, format_path, key_name
 from meshlift.pure import PureFunction, abstract_outputs, picker
 from meshlift.sharding import StateSharding
 from meshlift.staged_errors import names_note
@@ -161,6 +161,8 @@ class Layout:
             tuple(self.dyn_shardings[i] for i in self.dyn_groups[1]),
         )
         self.donate_argnums = (2, 3) if self.donated else ()
+        values = self.split.gather()
+        held = tuple(map(jax.tree.structure, values))
         # Everything the pure function is made of besides its arrays: where the graph nodes
         # sit, which leaves are donated, static values by type; never an identity.
         self.key = (
@@ -174,8 +176,9 @@ class Layout:
             self.donate_argnums,
             mesh,
             passed,
+            held,  # each Variable's pytree structure (JAX names each array in it)
         )
-        self.pure = PureFunction(fun, self)
+        self.pure = PureFunction(fun, self, self.staged_arg_names(values))
 
     def _check_hashable(self, passed: tuple[tuple[int, Any], ...]) -> None:
         for i, value in passed:
@@ -263,6 +266,24 @@ class Layout:
             *map(variable.__getitem__, donated_vars),
             *(format_path(self.leaf_paths[i]) for i in donated_dyn),
         ]
+
+    def staged_arg_names(self, values: Sequence[Any]) -> tuple[str, ...]:
+        """The caller's name of each flat input of the staged function, as JAX counts
+        them, for the Variables' `values`: one per array, so a Variable holding a pytree
+        gives one per array in it (`tree.b.0`). JAX's messages use these names."""
+
+        def arrays(i: int) -> list[str]:
+            held = jax.tree_util.tree_flatten_with_path(values[i])[0]
+            here = self.variable_path(i)
+            return [format_path((*here, *map(key_name, at))) for at, _ in held]
+
+        (kept_vars, donated_vars), (kept_dyn, donated_dyn) = self.var_groups, self.dyn_groups
+        return (
+            *(name for i in kept_vars for name in arrays(i)),
+            *(format_path(self.leaf_paths[i]) for i in kept_dyn),
+            *(name for i in donated_vars for name in arrays(i)),
+            *(format_path(self.leaf_paths[i]) for i in donated_dyn),
+        )
 
     def variable_path(self, i: int) -> Path:
         """The caller's path of the Variable at split position `i`."""

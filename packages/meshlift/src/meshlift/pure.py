@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -88,6 +89,9 @@ class TraceInfo:
         return out if self.container is None else self.container(out)
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))  # meshlift's own files
+
+
 @jax.tree_util.register_pytree_node_class
 class Aux:
     """A childless output node carrying a TraceInfo through jax's output treedef."""
@@ -115,7 +119,7 @@ class PureFunction:
     output with graph nodes replaced by their arrays, and an `Aux`.
     """
 
-    def __init__(self, fun: Callable[..., Any], layout: Any):
+    def __init__(self, fun: Callable[..., Any], layout: Any, arg_names: tuple[str, ...]):
         self.fun_ref = _weak(fun)  # the cache of staged functions must not keep it
         self.graphdef = layout.split.graphdef
         self.unchanged_graphdef = self.graphdef.with_same_outer_index()
@@ -138,6 +142,11 @@ class PureFunction:
         code = _code(fun)
         if code is not None:  # where JAX's messages say the function is ("step at x.py:12")
             self.__code__ = code
+        # JAX's messages name the inputs as the caller does (`m.kernel`), not `kept_vars[1]`
+        info = compat.debug_info(layout.names.backend, fun, arg_names)
+        if info is not None:
+            self.__fun_debug_info__ = info
+        compat.hide_from_source_info(_PACKAGE)  # "TRACING CACHE MISS at" the caller's line
 
     def __call__(
         self,

@@ -1,14 +1,15 @@
 """JAX's errors about a staged function, in the caller's names.
 
 A lifted call hands JAX a pure function of four tuples (`kept_vars`,
-`kept_dyn`, `donated_vars`, `donated_dyn`; see `meshlift.pure`). When JAX
-refuses a call, meshlift checks what it can in the caller's terms: each
-Variable's array and each argument against its spec on the mesh, and, if
-the trace got past the lifted function, the output against the output
-specs. A problem found is raised as a `PlanError` naming the path, with
-JAX's error as its cause. Otherwise JAX's error stands word for word, and
-where it names the staged function's inputs or outputs, a note says whose
-they are: JAX's wording is never parsed or rewritten.
+`kept_dyn`, `donated_vars`, `donated_dyn`; see `meshlift.pure`), whose
+inputs JAX is told by the caller's names (`m.kernel`), so its own messages
+use them. When JAX refuses a call, meshlift checks what it can in the
+caller's terms: each Variable's array and each argument against its spec on
+the mesh, and, if the trace got past the lifted function, the output against
+the output specs. A problem found is raised as a `PlanError` naming the
+path, with JAX's error as its cause. Otherwise JAX's error stands word for
+word, and where it names the staged function's outputs
+(`out_shardings[0][1]`), a note says whose they are.
 
 Example:
 
@@ -35,7 +36,6 @@ from meshlift import resolve
 from meshlift.paths import PlanError, format_path
 from meshlift.pure import RETURNED, RUNNING, abstract_outputs, last_trace
 
-_INPUT_GROUPS = ("kept_vars", "kept_dyn", "donated_vars", "donated_dyn")  # the pure function's
 _OUTPUT_NAMES = ("out_shardings", "out_specs")  # JAX's names for the output's specs
 _NAMES_SHOWN = 12  # entries a note lists at most
 
@@ -91,16 +91,9 @@ def _plan_problem(layout: Any, call: Any, check_output: bool) -> PlanError | Non
 
 
 def names_note(layout: Any, message: str) -> str | None:
-    """A note saying whose are the staged inputs and outputs `message` names, if any."""
+    """A note saying whose are the staged outputs `message` names, if any (JAX names the
+    inputs itself, as the caller does: see `meshlift.compat.debug_info`)."""
     said = []
-    for g, group in enumerate(_INPUT_GROUPS):
-        if f"{group}[" not in message:
-            continue
-        positions = (layout.var_groups, layout.dyn_groups)[g % 2][g // 2]
-        for j, pos in enumerate(positions):
-            if f"{group}[{j}]" in message:
-                path = layout.variable_path(pos) if g % 2 == 0 else layout.leaf_paths[pos]
-                said.append(f"{group}[{j}] is `{format_path(path)}`")
     for name in _OUTPUT_NAMES:
         for i in range(len(layout.split.paths)):
             if f"{name}[0][{i}]" in message:

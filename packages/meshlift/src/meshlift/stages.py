@@ -206,8 +206,8 @@ class Compiled(_Stage):
 
     def _argument_paths(self, layout: Any) -> list[str]:
         """The caller's path of every array argument laid out as `layout`."""
-        groups = (layout.var_groups[0], layout.dyn_groups[0])
-        groups += (layout.var_groups[1], layout.dyn_groups[1])
+        (kept_vars, donated_vars), (kept_dyn, donated_dyn) = layout.var_groups, layout.dyn_groups
+        groups = (kept_vars, kept_dyn, donated_vars, donated_dyn)
         tree = layout.as_arguments((tuple((0,) * len(g) for g in groups), {}))
         return [self._caller_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
