@@ -100,12 +100,15 @@ def names_note(layout: Any, message: str) -> str | None:
                 path = format_path(layout.variable_path(i))
                 said.append(f"{name}[0][{i}] is the Variable `{path}` (written back)")
         if f"{name}[2]" in message:
-            said.append(f"{name}[2] is the output of {layout.names.function}")
+            said.append(
+                f"{name}[2] is the output of {layout.names.function} ({name}[2]['b'] is "
+                f"your {name}['b'])"
+            )
     if not said:
         return None
     shown = "; ".join(said[:_NAMES_SHOWN])
     more = f"; and {len(said) - _NAMES_SHOWN} more" if len(said) > _NAMES_SHOWN else ""
     return (
-        f"meshlift: {layout.names.function} was staged as a function of "
-        f"(kept_vars, kept_dyn, donated_vars, donated_dyn): {shown}{more}."
+        f"meshlift: {layout.names.function} was staged to return (its Variables, new "
+        f"Variables, its output): {shown}{more}."
     )
