@@ -68,7 +68,7 @@ def check(page, url: str, name: str, shot: Path) -> tuple[dict, list[str]]:
     found = page.evaluate(MEASURE)
     where = name or "(home)"
     failures = [
-        f"{where}: {'a table wraps, ' if c['wraps'] else 'a code block hides '}"
+        f"{where}: {'a table wraps' if c['wraps'] else 'a code block scrolls'}, "
         f"{c['hidden']} px too wide at 1280 px: {c['line'][:80]!r}"
         for c in found["clipped"]
     ]
