@@ -12,11 +12,13 @@
 Every session installs into a fresh venv with the pins in constraints.txt.
 """
 
+import contextlib
 import json
 import os
 import random
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
@@ -418,11 +420,7 @@ def docs(session: nox.Session) -> None:
     Then fail if a built page shows "Example::": a reST literal block left in a
     docstring, which mkdocstrings renders as it is written.
     """
-    install(session, *TEST_TOOLS, "-r", "docs/requirements.txt")
-    # NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner for mkdocs 1.x.
-    env = XLA_ENV | {"NO_MKDOCS_2_WARNING": "1"}
-    session.run("mkdocs", "build", "--strict", *session.posargs, env=env)
-    site = built_site_dir(session.posargs)
+    site = build_site(session, session.posargs)
     pages = sorted(site.glob("**/*.html"))
     if not pages:
         session.error(f"found no built pages under {site}/")
@@ -433,6 +431,15 @@ def docs(session: nox.Session) -> None:
             "Write the docstring's example as `Example:`, a blank line and a ```python block"
         )
     session.log(f'no "Example::" on the {len(pages)} pages under {site}/')
+
+
+def build_site(session: nox.Session, mkdocs_args: list[str], *extra: str) -> Path:
+    """Install the docs' pins (and ``extra``), run mkdocs build --strict; the site's folder."""
+    install(session, *TEST_TOOLS, "-r", "docs/requirements.txt", *extra)
+    # NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner for mkdocs 1.x.
+    env = XLA_ENV | {"NO_MKDOCS_2_WARNING": "1"}
+    session.run("mkdocs", "build", "--strict", *mkdocs_args, env=env)
+    return built_site_dir(mkdocs_args)
 
 
 def built_site_dir(mkdocs_args: list[str]) -> Path:
@@ -446,6 +453,57 @@ def built_site_dir(mkdocs_args: list[str]) -> Path:
             return Path(arg[2:])
     configured = re.search(r"^site_dir:\s*(\S+)", Path("mkdocs.yml").read_text(), re.M)
     return Path(configured.group(1) if configured else "site")
+
+
+SCREENSHOTS = Path("site-screenshots")
+
+
+@nox.session
+def screenshots(session: nox.Session) -> None:
+    """Build the site and look at each page in chromium at 1280 px (docs/screenshots.py).
+
+    Each page is photographed whole into site-screenshots/; the session fails on a code
+    block too wide for its column (the reader gets a scrollbar) and on a guide page whose
+    python blocks show no output. Arguments after -- pick pages: `-- guide api/`.
+    Needs Debian's chromium (Playwright drives it; no `playwright install`).
+    """
+    import shutil
+
+    chromium = shutil.which("chromium")
+    if not chromium:
+        session.error("found no chromium: apt-get update && apt-get install -y chromium")
+    site = build_site(session, [], "-r", "docs/requirements-screenshots.txt")
+    pages = sorted(site.glob("**/index.html"))
+    names = [f"{p.parent.relative_to(site).as_posix()}/".removeprefix("./") for p in pages]
+    if session.posargs:
+        names = [n for n in names if any(n.startswith(arg.strip("/")) for arg in session.posargs)]
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    with serving(site) as url:
+        session.run("python", "docs/screenshots.py", url, chromium, str(SCREENSHOTS), *names)
+    failures = json.loads((SCREENSHOTS / "report.json").read_text())["failures"]
+    if failures:
+        session.error(f"{len(failures)} problem(s) on the site:\n" + "\n".join(failures))
+    session.log(f"{len(names)} pages look right; screenshots in {SCREENSHOTS}/")
+
+
+@contextlib.contextmanager
+def serving(site: Path) -> Iterator[str]:
+    """The folder served on 127.0.0.1 (a free port) in a thread, while in the block; its URL."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_port}/"
+        finally:
+            server.shutdown()
 
 
 @nox.session
