@@ -87,7 +87,10 @@ def _shown(printed: str) -> str:
     if printed.lstrip().startswith("<svg"):
         return f'\n<figure class="output-picture">\n{printed.strip()}\n</figure>\n'
     fence = "````" if "```" in printed else "```"
-    return f"\n{fence}{{.text .output}}\n{printed.rstrip()}\n{fence}\n"
+    # a table over 100 columns (the code's width) is set smaller, to fit whole; text wraps
+    drawn = [line for line in printed.splitlines() if "│" in line or "┃" in line]
+    wide = " .wide" if drawn and max(map(len, drawn)) > 100 else ""
+    return f"\n{fence}{{.text .output{wide}}}\n{printed.rstrip()}\n{fence}\n"
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:

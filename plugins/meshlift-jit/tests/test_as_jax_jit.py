@@ -1,6 +1,5 @@
 """`ml.jit` is `jax.jit` for arrays (issue 26): each behaviour run on both, jax the reference."""
 
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -155,12 +154,6 @@ def test_a_compiled_function_given_a_module_of_another_structure_names_its_new_v
     assert jnp.array_equal(compiled(model, jnp.ones(3)), jnp.ones(3))
 
 
-@pytest.mark.xfail(
-    "unreduced" not in inspect.signature(P).parameters,
-    reason="this jax has no unreduced PartitionSpecs (jax 0.9)",
-    raises=TypeError,
-    strict=True,
-)
 def test_an_unreduced_out_sharding_under_set_mesh_is_jax_jits():
     spec = P(unreduced={"x"})
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
