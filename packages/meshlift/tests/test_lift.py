@@ -218,16 +218,31 @@ def test_jax_names_each_array_of_a_variable_holding_a_pytree():
 
 
 def test_jax_says_a_cache_miss_is_at_the_callers_line_and_argument(caplog):
-    def f(m, x):
+    """As for jax.jit running the same call: the caller's line, and the argument by name."""
+
+    def cache_miss(jit, first, second):
+        caplog.clear()
+        jit(first)
+        line = inspect.currentframe().f_lineno + 2  # the call's line
+        with jax.explain_cache_misses(True), caplog.at_level("WARNING"):
+            jit(second)
+        (message,) = (r.getMessage() for r in caplog.records if "CACHE MISS" in r.getMessage())
+        return message, line
+
+    def f(x):
+        return x * 2
+
+    theirs, their_line = cache_miss(jax.jit(f), jnp.ones(2), jnp.ones(2, jnp.int32))
+    ours, our_line = cache_miss(ml.jit(f), jnp.ones(2), jnp.ones(2, jnp.int32))
+    for message, line in ((theirs, their_line), (ours, our_line)):
+        assert f"TRACING CACHE MISS at {__file__}:{line}" in message
+        assert "* at x, now i32[2] and before f32[2]" in message
+
+    def step(m, x):
         return m(x)
 
-    layer, lifted = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), ml.jit(f)
-    lifted(layer, jnp.ones((1, 2)))
-    line = inspect.currentframe().f_lineno + 2  # the call's line
-    with jax.explain_cache_misses(True), caplog.at_level("WARNING"):
-        lifted(layer, jnp.ones((1, 2), jnp.int32))
-    message = next(r.getMessage() for r in caplog.records if "TRACING CACHE MISS" in r.getMessage())
-    assert f"TRACING CACHE MISS at {__file__}:{line}" in message
+    layer, lifted = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), ml.jit(step)
+    message, _ = cache_miss(lambda x: lifted(layer, x), jnp.ones((1, 2)), jnp.ones((1, 2), int))
     assert "* at x, now i32[1,2] and before f32[1,2]" in message
 
 
