@@ -32,7 +32,7 @@ import numpy as np
 from meshlift import calls
 from meshlift.arguments import insert_statics, named_statics, original_index
 from meshlift.layout import as_state
-from meshlift.paths import format_path, key_name
+from meshlift.paths import format_path, key_name, listing
 from meshlift.staged_errors import named_errors
 
 
@@ -197,8 +197,8 @@ class Compiled(_Stage):
                 f"{self._lifted.names.function} was compiled for these arguments' structure "
                 f"with other shardings or static values. {again}"
             )
-        differ = [f"given {_few(new)}, which it was not compiled for"] if new else []
-        differ += [f"not given {_few(missing)}"] if missing else []
+        differ = [f"given {listing(new)}, which it was not compiled for"] if new else []
+        differ += [f"not given {listing(missing)}"] if missing else []
         return (
             f"{self._lifted.names.function} was compiled for arguments of another structure: "
             f"{'; '.join(differ)}. {again}"
@@ -233,11 +233,6 @@ class Compiled(_Stage):
         else:
             name = key_name(argument)
         return format_path((name, *map(key_name, inside)))
-
-
-def _few(paths: list[str]) -> str:
-    shown = ", ".join(f"`{p}`" for p in paths[:3])
-    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def as_output(tree: Any) -> Any:
