@@ -1,6 +1,5 @@
 """`ml.jit` is `jax.jit` for arrays (issue 26): each behaviour run on both, jax the reference."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
