@@ -209,6 +209,12 @@ def test_jax_names_each_array_of_a_variable_holding_a_pytree():
 
     with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument m\.tree\.b\.1\."):
         ml.jit(branch)(Holder({"a": jnp.ones(1), "b": [jnp.ones(2), jnp.ones(3)]}))
+    # another model of the same class, its Variable holding another structure: its own names
+    lifted = ml.jit(lambda m: m.tree.get_value()["c"][0] > 0 and 1.0)
+    with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument m\.tree\.c\."):
+        lifted(Holder({"a": jnp.ones(1), "c": jnp.ones(2)}))
+    with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument m\.tree\.c\."):
+        lifted(Holder({"a": jnp.ones(1), "b": jnp.ones(3), "c": jnp.ones(2)}))
     # the same Variable made to hold another structure: JAX is told its new arrays' names
     holder = Holder(jnp.ones(2))
     total = ml.jit(lambda m: jax.tree.reduce(lambda a, b: a + b.sum(), m.tree.get_value(), 0.0))

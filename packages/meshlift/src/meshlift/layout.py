@@ -178,7 +178,7 @@ class Layout:
             passed,
             held,  # each Variable's pytree structure (JAX names each array in it)
         )
-        self.pure = PureFunction(fun, self, self.staged_arg_names(values))
+        self.pure = PureFunction(fun, self, self.input_names(values))
 
     def _check_hashable(self, passed: tuple[tuple[int, Any], ...]) -> None:
         for i, value in passed:
@@ -256,32 +256,23 @@ class Layout:
             tuple(leaves[i] for i in self.dyn_groups[1]),
         )
 
-    def input_names(self) -> list[str]:
-        """The caller's name of each staged input, in the order of `inputs`."""
-        (kept_vars, donated_vars), (kept_dyn, donated_dyn) = self.var_groups, self.dyn_groups
-        variable = [format_path(self.variable_path(i)) for i in range(len(self.split.paths))]
-        return [
-            *map(variable.__getitem__, kept_vars),
-            *(format_path(self.leaf_paths[i]) for i in kept_dyn),
-            *map(variable.__getitem__, donated_vars),
-            *(format_path(self.leaf_paths[i]) for i in donated_dyn),
-        ]
+    def input_names(self, values: Sequence[Any] | None = None) -> tuple[str, ...]:
+        """The caller's name of each staged input, in the order of `inputs`; given the
+        Variables' `values`, of each array as JAX counts them: a Variable holding a
+        pytree gives one per array in it (`tree.b.0`), the names JAX's messages use."""
 
-    def staged_arg_names(self, values: Sequence[Any]) -> tuple[str, ...]:
-        """The caller's name of each flat input of the staged function, as JAX counts
-        them, for the Variables' `values`: one per array, so a Variable holding a pytree
-        gives one per array in it (`tree.b.0`). JAX's messages use these names."""
-
-        def arrays(i: int) -> list[str]:
-            held = jax.tree_util.tree_flatten_with_path(values[i])[0]
+        def variable(i: int) -> list[str]:
             here = self.variable_path(i)
+            if values is None:
+                return [format_path(here)]
+            held = jax.tree_util.tree_flatten_with_path(values[i])[0]
             return [format_path((*here, *map(key_name, at))) for at, _ in held]
 
         (kept_vars, donated_vars), (kept_dyn, donated_dyn) = self.var_groups, self.dyn_groups
         return (
-            *(name for i in kept_vars for name in arrays(i)),
+            *(name for i in kept_vars for name in variable(i)),
             *(format_path(self.leaf_paths[i]) for i in kept_dyn),
-            *(name for i in donated_vars for name in arrays(i)),
+            *(name for i in donated_vars for name in variable(i)),
             *(format_path(self.leaf_paths[i]) for i in donated_dyn),
         )
 

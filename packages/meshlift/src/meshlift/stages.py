@@ -188,7 +188,7 @@ class Compiled(_Stage):
     def _mismatch(self, layout: Any) -> str:
         """Why arguments laid out as `layout` cannot call this: the paths that are not the
         compiled ones (as jax.jit's Compiled says where the trees differ), else the rest."""
-        compiled, given = self._argument_paths(self._layout), self._argument_paths(layout)
+        compiled, given = self._layout.input_names(), layout.input_names()
         new = [p for p in given if p not in compiled]
         missing = [p for p in compiled if p not in given]
         again = "Call .lower(...).compile() again for these arguments"
@@ -203,13 +203,6 @@ class Compiled(_Stage):
             f"{self._lifted.names.function} was compiled for arguments of another structure: "
             f"{'; '.join(differ)}. {again}"
         )
-
-    def _argument_paths(self, layout: Any) -> list[str]:
-        """The caller's path of every array argument laid out as `layout`."""
-        (kept_vars, donated_vars), (kept_dyn, donated_dyn) = layout.var_groups, layout.dyn_groups
-        groups = (kept_vars, kept_dyn, donated_vars, donated_dyn)
-        tree = layout.as_arguments((tuple((0,) * len(g) for g in groups), {}))
-        return [self._caller_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     def _differences(self, current: Any, call: Any) -> list[str]:
         """Each argument whose shape or dtype is not what this was compiled for, by path."""
