@@ -3,7 +3,7 @@
 A call finds its entry (`meshlift.caches`): the arguments' layout
 (`meshlift.layout`) and the staged pure function (`meshlift.pure`), made
 on a miss; then runs it, all or nothing (`meshlift.calls`). A call like
-the last one runs on the `CallPlan` that call left (`meshlift.speedups`).
+the last one runs on the `CallPlan` that call left (`meshlift.call_plans`).
 Staged functions are keyed by structure only, never an identity, and
 shared by every wrapper of one function and options, as `jax.jit` shares
 its cache. `transform` below shows a train step.
@@ -29,17 +29,14 @@ assert len(traces) == 1
 from __future__ import annotations
 
 import functools
-import types
-import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
-import attrs
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from meshlift import calls, compat, modes, resolve, speedups
-from meshlift.arguments import Signature, static_key
+from meshlift import call_plans, calls, compat, methods, modes, resolve, speedups
+from meshlift.arguments import Signature, check_graph_mode, static_key
 from meshlift.backend import Backend, Specs, StageSpec
 from meshlift.caches import LayoutCache, shared_stages
 from meshlift.calls import Entry
@@ -135,11 +132,11 @@ class Lifted(Generic[Params, Result]):
         self.mesh = self.backend.read_mesh(mesh)
         self.options = self.backend.read_options(options)
         argnums = (static_argnums, static_argnames, donate_argnums, donate_argnames)
-        self._receiver = _graph_receiver(fun)
+        self._receiver = methods.graph_receiver(fun)
         if self._receiver is not None:  # `m.method`: m becomes the first argument of each call
             Signature(fun, *argnums)  # jax.jit's checks, against the signature the caller sees
-            fun, argnums = fun.__func__, _after_receiver(*argnums)  # type: ignore[attr-defined]
-            self.specs = _with_receiver_spec(self.specs)
+            fun, argnums = fun.__func__, methods.after_receiver(*argnums)  # type: ignore[attr-defined]
+            self.specs = methods.with_receiver_spec(self.specs)
         self.fun = fun
         self.names = Names(
             getattr(fun, "__name__", "the lifted function"),
@@ -179,7 +176,7 @@ class Lifted(Generic[Params, Result]):
     def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Result]: ...
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        return self if obj is None else _BoundLifted(self, obj)
+        return self if obj is None else methods.BoundLifted(self, obj)
 
     def __call__(self, *args: Params.args, **kwargs: Params.kwargs) -> Result:
         if self._receiver is not None:
@@ -195,7 +192,7 @@ class Lifted(Generic[Params, Result]):
         entry, call = self._entry(args, kwargs)
         call.fixed_structure = cached
         result = calls.run(entry, entry.staged, call)
-        self._plan = self._plan_after(entry, call) if modes.fast_paths else None
+        self._plan = call_plans.plan_after(entry, call, self.mesh) if modes.fast_paths else None
         return result
 
     def _run_planned(
@@ -214,79 +211,8 @@ class Lifted(Generic[Params, Result]):
             return outputs[2]
         call = Call.of_arguments(args, plan.node_positions, cached)
         result = calls.finish(entry, outputs, values(), None, call)
-        self._plan = self._plan_after(entry, call)
+        self._plan = call_plans.plan_after(entry, call, self.mesh)
         return result
-
-    def _plan_after(self, entry: Entry, call: Call) -> speedups.CallPlan | None:
-        """The plan for calls like `call`, which ran `entry` and succeeded: None if such a
-        call cannot skip the lookup (keywords, statics, nested arguments: `call.flat_positions`
-        is None). The plan runs in C where the call wrote back only Variables' arrays (no
-        graph update, no graph node in its output) on a mesh it can read; else it only
-        skips the lookup."""
-        positions = call.flat_positions
-        if positions is None or entry.info is None:
-            return None
-        args = tuple(call.leaves)
-        try:
-            refs = tuple(weakref.ref(args[i]) for i in positions)
-        except TypeError:  # a node that takes no weak reference
-            return None
-        layout = entry.layout
-        runs = self._plan_run(entry)
-        if runs is None:  # it only skips the lookup
-            mesh_source, mesh, slot, array_type, info = None, None, None, None, None
-            kept: tuple = ()
-            donated: tuple = ()
-            targets: tuple = ()
-        else:
-            mesh_source, mesh, slot, variables, targets, array_type = runs
-            kept, donated = (tuple(map(variables.__getitem__, g)) for g in layout.var_groups)
-            info = entry.info
-        kept_dyn, donated_dyn = layout.dyn_groups  # positions of leaves, here of arguments
-        return speedups.CallPlan(
-            mesh_source=mesh_source,
-            mesh=mesh,
-            types=tuple(map(type, args)),
-            node_positions=positions,
-            node_refs=refs,
-            unchanged=layout.split.unchanged,
-            slot=slot,
-            variables=kept,
-            dyn_positions=kept_dyn,
-            donated_variables=donated,
-            donated_dyn_positions=donated_dyn,
-            info=info,
-            changed=entry.info.changed,
-            targets=targets,
-            array_type=array_type,
-            staged=entry.staged,
-            entry=entry,
-        )
-
-    def _plan_run(self, entry: Entry) -> tuple[Any, Any, Any, tuple, tuple, type] | None:
-        """`(mesh_source, mesh, slot, variables, targets, array_type)` with which the C steps
-        run calls like the last one, which ran `entry`; None where they cannot."""
-        layout, info = entry.layout, entry.info
-        assert info is not None
-        if info.update is not None or info.outputs.graphdefs or info.container is not None:
-            return None
-        access, array_type = layout.split.slot_access(info.changed), compat.array_type()
-        if access is None or array_type is None:
-            return None
-        mesh_source: Callable[[], Any] | None
-        if self.mesh is None:  # the call site's mesh, as jax's reader gives it
-            mesh_source = compat.mesh_reader()
-            try:
-                mesh = mesh_source()
-            except Exception:  # refused inside a trace
-                return None
-        else:
-            mesh_source = None if isinstance(self.mesh, Mesh | AbstractMesh) else self.mesh
-            mesh = layout.mesh
-        slot, variables, targets = access
-        if not all(type(value) is array_type for value in speedups.read_each(slot, targets)):
-            return None  # a typed key, a container changed in place: each call would miss
-        return mesh_source, mesh, slot, variables, targets, array_type
 
     def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back.
@@ -504,25 +430,6 @@ class Lifted(Generic[Params, Result]):
         return staged
 
 
-class _BoundLifted:
-    """A Lifted accessed as a method: the instance is passed as the first argument."""
-
-    def __init__(self, lifted: Lifted, obj: Any):
-        self._lifted, self._obj = lifted, obj
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._lifted(self._obj, *args, **kwargs)
-
-    def trace(self, *args: Any, **kwargs: Any) -> Any:
-        return self._lifted.trace(self._obj, *args, **kwargs)
-
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
-        return self._lifted.lower(self._obj, *args, **kwargs)
-
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
-        return self._lifted.eval_shape(self._obj, *args, **kwargs)
-
-
 @overload
 def transform(
     backend: str | Backend,
@@ -631,7 +538,7 @@ def transform(
     loss = step(model, optimizer, jnp.ones((8, 16)))
     ```
     """
-    _check_graph_mode(graph=graph, graph_updates=graph_updates)
+    check_graph_mode(graph=graph, graph_updates=graph_updates)
     backend = get_backend(backend)
     lift = functools.partial(
         Lifted,
@@ -657,59 +564,9 @@ def _programs(staged: Any) -> int:
     return size() if callable(size) else 1
 
 
-def _check_graph_mode(**modes: bool | None) -> None:
-    """Refuse flax's tree mode (`graph=False`, `graph_updates=False`): meshlift keeps graph
-    semantics, and running them where tree semantics were asked would differ silently."""
-    for name, value in modes.items():
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name}= takes True, False or None, got {type(value).__name__}")
-        if value is False:
-            raise ValueError(
-                f"{name}=False asks for flax's tree mode, which meshlift does not offer: it "
-                f"keeps graph semantics (shared Variables, structure changes carried back to "
-                f"your objects). Drop {name}= (or pass True), or use flax's nnx.jit for tree mode"
-            )
-
-
 def _spec_key(specs: Any) -> Hashable:
     leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: is_spec(x) or x is None)
     return treedef, tuple(leaves)
-
-
-def _graph_receiver(fun: Callable[..., Any]) -> Any:
-    """The graph node a bound method `fun` belongs to (it is lifted as an argument, read
-    afresh at each call, never captured), else None."""
-    receiver = getattr(fun, "__self__", None)
-    if isinstance(fun, types.MethodType) and is_graph_leaf(receiver):
-        return receiver
-    return None
-
-
-def _after_receiver(
-    static_argnums: Any, static_argnames: Any, donate_argnums: Any, donate_argnames: Any
-) -> tuple[Any, Any, Any, Any]:
-    """The argument options of a bound method for its function, the receiver first."""
-
-    def shifted(nums: Any) -> Any:
-        if nums is None:
-            return None
-        nums = (nums,) if isinstance(nums, int) else tuple(nums)
-        return tuple(i + 1 if i >= 0 else i for i in nums)
-
-    return shifted(static_argnums), static_argnames, shifted(donate_argnums), donate_argnames
-
-
-def _with_receiver_spec(specs: Specs) -> Specs:
-    """Specs of a bound method's arguments, with `None` (unspecified) for the receiver
-    where they are given per argument."""
-
-    def prepended(specs: Any) -> Any:
-        return (None, *specs) if isinstance(specs, tuple | list) else specs
-
-    meshless = specs.meshless
-    if meshless is not None:
-        meshless = (prepended(meshless[0]), meshless[1])
-    return attrs.evolve(specs, in_specs=prepended(specs.in_specs), meshless=meshless)
 
 
 def _checked_specs(backend: Backend, in_specs: Any, out_specs: Any, options: dict) -> Specs:

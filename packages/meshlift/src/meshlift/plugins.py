@@ -9,7 +9,7 @@ raises `SystemExit` (or any other `BaseException` but
 
 The names of the core's front ends (`FRONT_ENDS`: `ml.jit`, `ml.shard_map`,
 `ml.pjit`) belong to the distributions the core's extras of the same names
-install (`pip install 'meshlift[jit]'`; `first_party_backends()` reads them
+install (`pip install 'meshlift[jit]'`; `meshlift.first_party` reads them
 from the core's metadata): `ml.jit` and friends always run their own
 distribution's backend. Another plugin that registers one of these names is
 recorded as a load error, whatever the load order, and its other backends are
@@ -40,14 +40,10 @@ backend = ml.get_backend("jit")
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import os
-import re
-from collections.abc import Callable, Iterable, Mapping
-from importlib import metadata
+from collections.abc import Callable, Iterable
 from importlib.metadata import Distribution, entry_points
-from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -55,6 +51,7 @@ import pluggy
 
 from meshlift import hookspecs
 from meshlift.backend import Backend, origin
+from meshlift.first_party import FRONT_ENDS, canonical, first_party_backends, fold
 from meshlift.installed import BackendInfo, InstalledBackends, LoadError
 
 __all__ = [
@@ -80,36 +77,6 @@ __all__ = [
 ENTRY_POINT_GROUP = "meshlift"
 STRICT_ENV = "MESHLIFT_STRICT_PLUGINS"
 DISABLE_ENV = "MESHLIFT_DISABLE_PLUGINS"
-
-#: The core's front ends: `ml.jit` runs the backend named "jit", and so on.
-FRONT_ENDS = ("jit", "shard_map", "pjit")
-
-
-@functools.cache
-def first_party_backends() -> Mapping[str, str]:
-    """Front-end name -> the distribution whose backend it runs, as the core's extras
-    declare them (`jit = ["meshlift-jit"]`); empty if meshlift is not installed.
-
-    Returns:
-        A read-only mapping such as `{"jit": "meshlift-jit", ...}`.
-
-    Example:
-
-    ```python
-    assert ml.plugins.first_party_backends()["shard_map"] == "meshlift-shard-map"
-    ```
-    """
-    try:
-        requirements = metadata.requires("meshlift") or []
-    except metadata.PackageNotFoundError:  # run from a source tree
-        return MappingProxyType({})
-    extras = {}
-    for requirement in requirements:
-        match = re.fullmatch(r'([\w.-]+)\s*;\s*extra\s*==\s*"([\w.-]+)"', requirement)
-        if match:
-            extras[_fold(match.group(2))] = _canonical(match.group(1))
-    return MappingProxyType({name: extras[name] for name in FRONT_ENDS if name in extras})
-
 
 _DEFAULT_VERSION = attrs.fields(Backend).version.default
 _HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("meshlift_"))
@@ -541,7 +508,7 @@ def _check_first_party_name(
     """
     owner = first_party_backends().get(backend.name)
     source = distribution.name if distribution is not None else backend.distribution
-    if owner is None or (source is not None and _canonical(source) == owner):
+    if owner is None or (source is not None and canonical(source) == owner):
         return
     if distribution is not None:
         taker = f"{distribution.name} {distribution.version}"
@@ -579,7 +546,7 @@ def _how_to_get(name: str, registry: _Registry) -> str:
         if matches:
             return f"; did you mean {' or '.join(map(repr, matches))}?"
         for e in registry.errors:
-            if _fold(e.plugin) == _fold(name):
+            if fold(e.plugin) == fold(name):
                 return (
                     f". Its plugin {e.plugin!r} ({origin(e.distribution, e.version)}) failed "
                     f"to load: {e.error}"
@@ -590,7 +557,7 @@ def _how_to_get(name: str, registry: _Registry) -> str:
                 f"load (below): it may be one of them."
             )
         return ". No installed plugin provides it; `meshlift backends` lists what is installed."
-    if any(_canonical(e.distribution or "") == distribution for e in registry.errors):
+    if any(canonical(e.distribution or "") == distribution for e in registry.errors):
         return f". {it} failed to load (error below)."
     return (
         f". It comes with {distribution}: pip install {distribution} "
@@ -600,17 +567,8 @@ def _how_to_get(name: str, registry: _Registry) -> str:
 
 def _close_matches(name: str, names: Iterable[str]) -> list[str]:
     """The names close to `name`, best first, with `-` and `_` (and case) alike."""
-    by_key = {_fold(n): n for n in names}
-    return [by_key[key] for key in difflib.get_close_matches(_fold(name), by_key, n=3)]
-
-
-def _fold(name: str) -> str:
-    return name.replace("-", "_").lower()
-
-
-def _canonical(distribution: str) -> str:
-    """A distribution name as packaging compares them (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", distribution).lower()
+    by_key = {fold(n): n for n in names}
+    return [by_key[key] for key in difflib.get_close_matches(fold(name), by_key, n=3)]
 
 
 def _describe(error: BaseException) -> str:
