@@ -468,3 +468,83 @@ def test_each_caller_of_one_staged_function_gets_its_own_static_objects():
     for model, out in zip((one, other), outputs, strict=True):
         assert model.second is model.first and out.config is model.first
     assert other.first is not one.first
+
+
+# 11 -- what a Variable holds: its pytree structure, shapes and dtypes ----------------------
+
+
+def _wide(path, variable):
+    return getattr(variable, "ndim", 0) == 2 and variable.shape[1] % 4 == 0
+
+
+WIDE_PLAN = ml.StateSharding({_wide: P(None, "model"), ...: P()})
+# What a Variable holds at its first call, and what the caller gives it before the next.
+HELD = {
+    "a pytree, then an array": ({"a": jnp.ones((2, 8))}, jnp.full((2, 8), 2.0)),
+    "an array, then a pytree": (jnp.ones((2, 8)), {"a": jnp.full((2, 8), 2.0)}),
+    "a pytree, then one with a key more": (
+        {"a": jnp.ones((2, 8))},
+        {"a": jnp.ones((2, 8)), "b": jnp.full((2, 8), 3.0)},
+    ),
+    "an array, then one of a shape the plan splits": (jnp.ones((2, 6)), jnp.ones((2, 8))),
+    "an array, then one of another dtype": (jnp.ones((2, 8)), jnp.ones((2, 8), jnp.bfloat16)),
+}
+
+
+def _planned_spec(value):
+    """The spec `WIDE_PLAN` gives a Variable holding `value`, for each of its arrays."""
+    wide = isinstance(value, jax.Array) and value.ndim == 2 and value.shape[1] % 4 == 0
+    return jax.tree.map(lambda _: P(None, "model") if wide else P(), value)
+
+
+def total(m):
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(m.w.get_value()))
+
+
+@pytest.mark.parametrize(("first", "then"), HELD.values(), ids=list(HELD))
+def test_a_variable_given_another_kind_of_value_is_planned_and_placed_anew(first, then):
+    # A layout's shardings, input names and staged inputs are made for what each Variable
+    # held; a repeated call reused them while the graph was unchanged, so a value of
+    # another structure or shape ran on the old shardings and was never placed onto the
+    # plan (meshlift's slow path, which splits afresh at each call, placed it).
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    model = nnx.Module()
+    model.w = nnx.Param(first)
+    lifted = ml.transform("jit", total, mesh=mesh, in_specs=(WIDE_PLAN,))
+    _close(lifted(model), total(model))
+    model.w.set_value(then)
+    for _ in range(2):  # the new layout's call, then its repeated call
+        _close(lifted(model), total(model))
+        specs = jax.tree.map(lambda x: x.sharding.spec, model.w.get_value())
+        assert specs == _planned_spec(then)
+    assert jax.tree.map(lambda x: x.dtype, model.w.get_value()) == jax.tree.map(
+        lambda x: x.dtype, then
+    )
+
+
+def test_stages_and_eval_shape_see_a_variables_new_structure():
+    model = nnx.Module()
+    model.w = nnx.Param({"a": jnp.ones((2, 8))})
+    lifted = ml.jit(lambda m: m.w.get_value())
+    lifted(model)
+    model.w.set_value(jnp.ones(3))
+    assert lifted.eval_shape(model).shape == (3,)
+    assert lifted.trace(model).lower().compile()(model).shape == (3,)
+    _close(lifted.lower(model).compile()(model), jnp.ones(3))
+
+
+def grow(m):
+    cache = m.cache.get_value()
+    m.cache.set_value(jnp.concatenate([cache, cache[-1:] + 1]))
+    return m.cache.get_value().sum()
+
+
+def test_a_variable_that_grows_at_each_call_runs_as_eager():
+    results = {}
+    for name, lift in [("eager", lambda f: f), ("ml.jit", ml.jit)]:
+        model = nnx.Module()
+        model.cache = nnx.Cache(jnp.zeros(1))
+        lifted = lift(grow)
+        results[name] = [lifted(model) for _ in range(3)], model.cache.get_value()
+    jax.tree.map(_close, results["ml.jit"], results["eager"])
+    assert results["ml.jit"][1].shape == (4,)

@@ -31,8 +31,12 @@ import collections
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
+
+import jax
+
+from meshlift.sharding import is_spec
 
 _MAX_ENTRIES = 8  # argument layouts remembered per lifted function
 
@@ -40,6 +44,23 @@ _MAX_ENTRIES = 8  # argument layouts remembered per lifted function
 _STAGES: weakref.WeakKeyDictionary[Any, dict[Hashable, dict[Hashable, Any]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def options_key(spec_trees: Iterable[Any], *options: Any) -> Hashable | None:
+    """Everything besides the arguments that staged functions depend on: the spec trees
+    (by their leaves) and the other options; None if one is unhashable (then a lifted
+    function keeps its staged functions to itself)."""
+    is_leaf = lambda x: is_spec(x) or x is None  # noqa: E731
+    specs = tuple(
+        (treedef, tuple(leaves))
+        for leaves, treedef in (jax.tree.flatten(tree, is_leaf=is_leaf) for tree in spec_trees)
+    )
+    key = (*specs, *options)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def shared_stages(fun: Callable[..., Any], options_key: Hashable | None) -> dict[Hashable, Any]:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from meshlift import compat, resolve, speedups
 from meshlift.layout import Call, Layout
 from meshlift.paths import Path, StructureChangedError, TraceLeakError, format_path, listing
-from meshlift.pure import TraceInfo, abstract_outputs
+from meshlift.pure import StaleLayout, TraceInfo, abstract_outputs
 from meshlift.staged_errors import explain
 
 
@@ -73,6 +73,8 @@ def run(entry: Entry, staged: Any, call: Call) -> Any:
         _refuse_shared_donation(layout, inputs)
     try:
         outputs = staged(*inputs)
+    except StaleLayout:
+        raise
     except Exception as error:
         return recover(entry, error, staged, values, placed, call)
     return finish(entry, outputs, values, placed, call)
@@ -100,6 +102,8 @@ def recover(
         if moved is None and resharded is call:
             raise error
         outputs = staged(*layout.inputs(moved or placed or values, resharded))
+    except StaleLayout:
+        raise
     except Exception as final:
         if layout.donated:
             _note_consumed(layout, final, values)
@@ -287,34 +291,51 @@ def _note_consumed(layout: Layout, error: Exception, values: Sequence[Any]) -> N
 
 
 def onto(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any] | None:
-    """`values` with each array not on its sharding moved there; None if none had to move.
+    """`values` with each array not on its sharding moved there (every array of a value
+    that is a pytree, where one is not); None if none had to move.
 
     Tracers (an outer trace) are never moved: they are not the caller's arrays.
     """
     misplaced = [
         i
         for i, (value, sharding) in enumerate(zip(values, shardings, strict=True))
-        if sharding is not None
-        and not isinstance(value, jax.core.Tracer)
-        and getattr(value, "sharding", sharding) != sharding
+        if sharding is not None and _misplaced(value, sharding)
     ]
     if not misplaced:
         return None
-    # One array held twice and placed alike is moved once, and stays one array.
+    # One value held twice and placed alike is moved once, and stays one value.
     first = {(id(values[i]), shardings[i]): i for i in reversed(misplaced)}
     unique = sorted(first.values())
-    arrays = [values[i][...] if compat.is_ref(values[i]) else values[i] for i in unique]
-    moved = jax.device_put(arrays, [shardings[i] for i in unique])
+    flat = [
+        jax.tree.flatten(values[i][...] if compat.is_ref(values[i]) else values[i]) for i in unique
+    ]
+    arrays = [leaf for leaves, _ in flat for leaf in leaves]
+    targets = [shardings[i] for i, (leaves, _) in zip(unique, flat, strict=True) for _ in leaves]
+    moved = jax.device_put(arrays, targets)
     if isinstance(moved[0], jax.core.Tracer):  # device_put was staged into an outer trace
         return None
-    placed_once = {  # a reference: a new one, placed
-        i: compat.new_ref(value) if compat.is_ref(values[i]) else value
-        for i, value in zip(unique, map(_own_buffers, moved, arrays), strict=True)
-    }
+    own = iter(map(_own_buffers, moved, arrays))
+    placed_once = {}
+    for i, (leaves, treedef) in zip(unique, flat, strict=True):
+        value = jax.tree.unflatten(treedef, [next(own) for _ in leaves])
+        placed_once[i] = compat.new_ref(value) if compat.is_ref(values[i]) else value
     placed = list(values)
     for i in misplaced:
         placed[i] = placed_once[first[id(values[i]), shardings[i]]]
     return placed
+
+
+def _misplaced(value: Any, sharding: Any) -> bool:
+    """Whether `value` (an array or reference, or each array of a pytree) is off `sharding`;
+    a tracer never is."""
+    if isinstance(value, jax.core.Tracer):
+        return False
+    if hasattr(value, "sharding"):
+        return bool(value.sharding != sharding)
+    leaves = jax.tree.leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:  # a number, a NumPy array: never placed
+        return False
+    return any(_misplaced(leaf, sharding) for leaf in leaves)
 
 
 def _own_buffers(moved: jax.Array, source: jax.Array) -> jax.Array:
@@ -322,6 +343,8 @@ def _own_buffers(moved: jax.Array, source: jax.Array) -> jax.Array:
     shares a buffer with it: `jax.device_put` reuses the source's buffer for a replica on
     its device (`may_alias=False` notwithstanding, jax 0.10). Another input may still
     hold `source`, and XLA cannot donate a buffer it also reads (jaxlib crashes)."""
+    if not isinstance(source, jax.Array):  # a NumPy array or a number: a new buffer anyway
+        return moved
     held = {shard.data.unsafe_buffer_pointer() for shard in source.addressable_shards}
     if all(shard.data.unsafe_buffer_pointer() not in held for shard in moved.addressable_shards):
         return moved

@@ -48,7 +48,7 @@ from meshlift import compat, resolve
 from meshlift.arguments import Signature, static_key
 from meshlift.graph import GraphSplit, is_graph_leaf, is_graph_type, raw
 from meshlift.paths import Path, PlanError, format_path, key_name
-from meshlift.pure import PureFunction, abstract_outputs, picker
+from meshlift.pure import PureFunction, abstract_outputs, held_types, picker
 from meshlift.sharding import StateSharding
 from meshlift.staged_errors import names_note
 from meshlift.structure import per_type
@@ -162,7 +162,7 @@ class Layout:
         )
         self.donate_argnums = (2, 3) if self.donated else ()
         values = self.split.gather()
-        held = tuple(map(jax.tree.structure, values))
+        self.held = held_types(values)
         # Everything the pure function is made of besides its arrays: where the graph nodes
         # sit, which leaves are donated, static values by type; never an identity.
         self.key = (
@@ -176,7 +176,7 @@ class Layout:
             self.donate_argnums,
             mesh,
             passed,
-            held,  # each Variable's pytree structure (JAX names each array in it)
+            self.held,  # what each Variable holds: its shardings and names are for that
         )
         self.pure = PureFunction(fun, self, self.input_names(values))
 

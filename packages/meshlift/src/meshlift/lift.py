@@ -29,16 +29,15 @@ assert len(traces) == 1
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
-import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from meshlift import call_plans, calls, compat, methods, modes, resolve, speedups
 from meshlift.arguments import Signature, check_graph_mode, static_key
 from meshlift.backend import Backend, Specs, StageSpec
-from meshlift.caches import LayoutCache, shared_stages
+from meshlift.caches import LayoutCache, options_key, shared_stages
 from meshlift.calls import Entry
 from meshlift.graph import is_graph_leaf
 from meshlift.layout import (
@@ -53,7 +52,7 @@ from meshlift.layout import (
 from meshlift.mesh import current_mesh
 from meshlift.paths import PlanError
 from meshlift.plugins import get_backend
-from meshlift.sharding import is_spec
+from meshlift.pure import StaleLayout
 from meshlift.staged_errors import named_errors
 from meshlift.stages import Lowered, Traced
 
@@ -148,7 +147,20 @@ class Lifted(Generic[Params, Result]):
         self._graph_context = compat.graph_context()
         self._entries = LayoutCache()
         self._plan: speedups.CallPlan | None = None  # the last call's, if the next may repeat it
-        self._staged = shared_stages(fun, self._options_key())
+        sig, specs = self.signature, self.specs
+        self._staged = shared_stages(
+            fun,
+            options_key(
+                (specs.in_specs, specs.out_specs, specs.meshless),
+                self.backend,
+                self.names,
+                sig.static_argnums,
+                sig.static_argnames,
+                sig.donate_argnums,
+                sig.donate_argnames,
+                tuple(sorted(self.options.items())),
+            ),
+        )
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__qualname__", None) or f"a {type(self.fun).__name__}"
@@ -185,11 +197,17 @@ class Lifted(Generic[Params, Result]):
         if cached:  # called by nnx.cached_partial: take its cache, as flax's transforms do
             self._graph_context.tmp_static_cache = None
         plan = self._plan
-        if plan is not None and not kwargs and plan.slot is not None:
-            inputs = speedups.plan_inputs(plan, args)
-            if inputs is not None:
-                return self._run_planned(plan, args, inputs, cached)
-        entry, call = self._entry(args, kwargs)
+        try:
+            if plan is not None and not kwargs and plan.slot is not None:
+                inputs = speedups.plan_inputs(plan, args)
+                if inputs is not None:
+                    return self._run_planned(plan, args, inputs, cached)
+            return self._run(*self._entry(args, kwargs), cached)
+        except StaleLayout:  # a Variable holds another kind of value than its layout's
+            return self._run(*self._entry(args, kwargs, fresh=True), cached)
+
+    def _run(self, entry: Entry, call: Call, cached: bool) -> Any:
+        """Run `entry` for `call`, and keep the plan for calls like it."""
         call.fixed_structure = cached
         result = calls.run(entry, entry.staged, call)
         self._plan = call_plans.plan_after(entry, call, self.mesh) if modes.fast_paths else None
@@ -204,6 +222,8 @@ class Lifted(Generic[Params, Result]):
         values = entry.layout.split.gather
         try:
             outputs = plan.staged(*inputs)
+        except StaleLayout:
+            raise
         except Exception as error:
             call = Call.of_arguments(args, plan.node_positions, cached)
             return calls.recover(entry, error, plan.staged, values(), None, call)
@@ -229,10 +249,12 @@ class Lifted(Generic[Params, Result]):
                 capability).
             meshlift.PlanError: If a spec does not fit its argument.
         """
-        entry, call = self._entry(self._bound(args), kwargs)
-        with named_errors(entry.layout, call):
-            trace = self._stage_method(entry, "trace")
-            return Traced(trace(*calls.placed_inputs(entry.layout, call)), entry, self)
+
+        def trace(entry: Entry, call: Call) -> Traced:
+            staged = self._stage_method(entry, "trace")
+            return Traced(staged(*calls.placed_inputs(entry.layout, call)), entry, self)
+
+        return self._staging(self._bound(args), kwargs, trace)
 
     def lower(self, *args: Params.args, **kwargs: Params.kwargs) -> Lowered:
         """Lower for these arguments; `.compile()` continues.
@@ -252,10 +274,12 @@ class Lifted(Generic[Params, Result]):
                 capability).
             meshlift.PlanError: If a spec does not fit its argument.
         """
-        entry, call = self._entry(self._bound(args), kwargs)
-        with named_errors(entry.layout, call):
-            lower = self._stage_method(entry, "lower")
-            return Lowered(lower(*calls.placed_inputs(entry.layout, call)), entry, self)
+
+        def lower(entry: Entry, call: Call) -> Lowered:
+            staged = self._stage_method(entry, "lower")
+            return Lowered(staged(*calls.placed_inputs(entry.layout, call)), entry, self)
+
+        return self._staging(self._bound(args), kwargs, lower)
 
     def eval_shape(self, *args: Params.args, **kwargs: Params.kwargs) -> Any:
         """Output shapes and dtypes, graph outputs as abstract modules; nothing is written back.
@@ -270,9 +294,19 @@ class Lifted(Generic[Params, Result]):
         Raises:
             meshlift.PlanError: If a spec does not fit its argument.
         """
-        entry, call = self._entry(self._bound(args), kwargs)
-        with named_errors(entry.layout, call):
-            return calls.eval_shape(entry, call)
+        return self._staging(self._bound(args), kwargs, calls.eval_shape)
+
+    def _staging(self, args: tuple, kwargs: dict, step: Callable[[Entry, Call], Any]) -> Any:
+        """`step(entry, call)` for these arguments' entry, errors in the caller's names;
+        again on a new layout where a Variable holds another kind of value than before."""
+        try:
+            entry, call = self._entry(args, kwargs)
+            with named_errors(entry.layout, call):
+                return step(entry, call)
+        except StaleLayout:
+            entry, call = self._entry(args, kwargs, fresh=True)
+            with named_errors(entry.layout, call):
+                return step(entry, call)
 
     def _stage_method(self, entry: Entry, method: str) -> Any:
         """`entry.staged.<method>` (`trace`, `lower`); its absence names the backend."""
@@ -291,34 +325,17 @@ class Lifted(Generic[Params, Result]):
         """The arguments with the receiver of a lifted bound method first."""
         return args if self._receiver is None else (self._receiver, *args)
 
-    def _options_key(self) -> Hashable | None:
-        """Everything besides the arguments that the staged functions depend on; None if
-        some option is unhashable (then this function keeps its staged functions to itself)."""
-        sig = self.signature
-        key = (
-            self.backend,
-            self.names,
-            _spec_key(self.specs.in_specs),
-            _spec_key(self.specs.out_specs),
-            _spec_key(self.specs.meshless),
-            sig.static_argnums,
-            sig.static_argnames,
-            sig.donate_argnums,
-            sig.donate_argnames,
-            tuple(sorted(self.options.items())),
-        )
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
-
-    def _entry(self, args: tuple, kwargs: dict, mesh: Any = None) -> tuple[Entry, Call]:
+    def _entry(
+        self, args: tuple, kwargs: dict, mesh: Any = None, fresh: bool = False
+    ) -> tuple[Entry, Call]:
         """The entry for these arguments' layout (made if new or stale), and this call's leaves.
 
-        `mesh` overrides the call-site lookup (a compiled object keeps its mesh).
+        `mesh` overrides the call-site lookup (a compiled object keeps its mesh); `fresh`
+        makes a new layout, replacing the cached one (its staged function met other values).
         """
         mesh = self._call_site_mesh() if mesh is None else mesh
+        if fresh:
+            self._plan = None  # its entry, too, was made for what the Variables held before
         plan = self._plan if modes.fast_paths else None
         if (
             plan is not None
@@ -346,7 +363,7 @@ class Lifted(Generic[Params, Result]):
         call = Call(leaves, nodes)
         remember = modes.fast_paths
         try:
-            entry = self._entries.get(key) if remember else None
+            entry = self._entries.get(key) if remember and not fresh else None
         except TypeError:  # an unhashable leaf: the Layout names it if it passes through
             entry, remember = None, False
         if entry is None or not entry.layout.split.unchanged():
@@ -562,11 +579,6 @@ def _programs(staged: Any) -> int:
     """The programs a staged function has compiled: its `_cache_size()` (jax.jit's), else 1."""
     size = getattr(staged, "_cache_size", None)
     return size() if callable(size) else 1
-
-
-def _spec_key(specs: Any) -> Hashable:
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: is_spec(x) or x is None)
-    return treedef, tuple(leaves)
 
 
 def _checked_specs(backend: Backend, in_specs: Any, out_specs: Any, options: dict) -> Specs:

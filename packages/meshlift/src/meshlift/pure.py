@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import operator
 import os
 import threading
@@ -89,6 +90,67 @@ class TraceInfo:
         return out if self.container is None else self.container(out)
 
 
+class StaleLayout(Exception):
+    """Raised as a staged function starts tracing: a Variable holds a value of another
+    structure, shape or dtype than its layout was made for (see `held_types`). Not an
+    error: the caller makes a new layout, as on a first call."""
+
+
+def held_types(values: Sequence[Any], scales: Sequence[Any] | None = None) -> tuple[Any, ...]:
+    """For each Variable's value (or array stored on a module), the pytree structure it
+    holds and each array's shape and dtype, as JAX traces them: what a layout's
+    shardings and input names were made for. `scales`, if given, multiply each value's
+    dimensions (a per-shard block's back to the whole array's).
+
+    Example:
+
+    ```python
+    import numpy as np
+    from meshlift.pure import held_types
+
+    assert held_types([jnp.ones((2, 3))]) == held_types([np.ones((2, 3), np.float32)])
+    assert held_types([jnp.ones((2, 3))]) != held_types([{"a": jnp.ones((2, 3))}])
+    assert held_types([jnp.ones((2, 3))]) != held_types([jnp.ones((4, 3))])
+    ```
+    """
+    scales = scales or [()] * len(values)
+    return tuple(map(_held_type, values, scales))
+
+
+def _held_type(value: Any, scale: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
+    leaves, treedef = jax.tree.flatten(value)
+    return treedef, tuple(_shape_dtype(leaf, scale) for leaf in leaves)
+
+
+def _shape_dtype(x: Any, scale: tuple[int, ...]) -> Any:
+    if not isinstance(x, jax.Array):  # else an array, or a tracer of one: dtype canonical
+        try:
+            x = jax.typeof(x)  # a NumPy array, a number, a reference: as JAX traces it
+        except TypeError:  # no JAX type: JAX refuses it as an input, naming it
+            return type(x)
+    shape = tuple(d * s for d, s in zip(x.shape, scale, strict=False)) + x.shape[len(scale) :]
+    return shape, x.dtype
+
+
+def _manual_axes() -> frozenset[str]:
+    """The mesh axes a trace is manual over (inside a shard_map), where it runs now."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def _shard_scales(specs: Sequence[Any], axes: frozenset[str]) -> list[tuple[int, ...]]:
+    """Per Variable, how many times a per-shard block over the manual `axes` fits in the
+    whole array along each dimension, from the Variable's spec (None: whole)."""
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    scales = []
+    for spec in specs:
+        scale = []
+        for entry in () if spec is None else spec:
+            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            scale.append(math.prod(sizes[a] for a in names if a in axes))
+        scales.append(tuple(scale))
+    return scales
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))  # meshlift's own files
 
 
@@ -137,6 +199,9 @@ class PureFunction:
         out_specs = layout.out_specs
         self.out_container = type(out_specs) if type(out_specs) in (list, tuple) else None
         self.key = layout.key
+        self.held = layout.held
+        self.var_specs = tuple(getattr(s, "spec", None) for s in layout.var_shardings)
+        self.manual = _manual_axes()  # those of a shard_map the layout was made inside
         self.__name__ = getattr(fun, "__name__", "lifted")
         self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
         code = _code(fun)
@@ -158,6 +223,8 @@ class PureFunction:
         values: list[Any] = [None] * len(self.var_order)
         for i, value in zip(self.var_order, (*kept_vars, *donated_vars), strict=True):
             values[i] = value
+        if self._held(values) != self.held:  # JAX traces again for another kind of value
+            raise StaleLayout(self.__name__)
         rebuilt = Rebuilt(self.graphdef, values)
         leaves: list[Any] = [None] * (len(self.node_pos) + len(self.dyn_order) + len(self.passed))
         for i, node in zip(self.node_pos, rebuilt.nodes, strict=True):
@@ -214,6 +281,12 @@ class PureFunction:
         )
         _LAST_TRACE.state = RETURNED
         return var_out, tuple(extra), user_out, Aux(info)
+
+    def _held(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        """`held_types` of the traced values, per-shard blocks (a backend that stages
+        per shard) counted as the whole arrays they are blocks of."""
+        manual = _manual_axes() - self.manual
+        return held_types(values, _shard_scales(self.var_specs, manual) if manual else None)
 
     def _refuse_static_changes(self, paths: list[Path], undone: bool) -> None:
         shown = listing(format_path((self.names[p[0]], *p[1:])) for p in paths)  # type: ignore[call-overload]
