@@ -224,7 +224,10 @@ class PureFunction:
         for i, value in zip(self.var_order, (*kept_vars, *donated_vars), strict=True):
             values[i] = value
         if self._held(values) != self.held:  # JAX traces again for another kind of value
-            raise StaleLayout(self.__name__)
+            raise StaleLayout(
+                f"{self.__name__} is traced for other values than its layout's (a Variable's "
+                f"structure, shape or dtype changed): meshlift makes a new layout"
+            )
         rebuilt = Rebuilt(self.graphdef, values)
         leaves: list[Any] = [None] * (len(self.node_pos) + len(self.dyn_order) + len(self.passed))
         for i, node in zip(self.node_pos, rebuilt.nodes, strict=True):
