@@ -36,7 +36,43 @@ def test_jit_on_its_slow_path_in_python_runs_them_as_eager(program):
     oracle.check(program, "ml.jit+slow+python")
 
 
+@oracle.budget(30)
+@given(oracle.graph_programs())
+def test_jit_with_a_plan_places_outputs_on_its_fast_paths_as_on_its_slow_path(program):
+    # the same outputs, state and identities, and each output placed alike
+    oracle.check(program, "jit", reference="jit+slow")
+
+
 # -- the oracle finds what is wrong --------------------------------------------------------
+
+# Variables given values of another structure between calls: a call reusing the layout
+# made for the old values ran on its shardings (found by the test above).
+RESTRUCTURED = oracle.Program(
+    (
+        "m0 = Box(w0=nnx.Param(grid((2, 8), 0.5)), t0=nnx.Param(nested(1.0)))",
+        "rec.start(m0=m0)",
+        "def fn(a):",
+        "    return probe((a,))",
+        "f = rec.lift(fn)",
+        "rec.call(f, m0)",
+        "restructure(m0, 'w0', 0.5)",
+        "restructure(m0, 't0', 0.5)",
+        "rec.call(f, m0)",
+        "restructure(m0, 'w0', 0.5)",
+        "rec.call(f, m0)",
+    )
+)
+
+
+def test_restructured_variables_run_on_the_fast_paths_as_on_the_slow_path():
+    oracle.check(RESTRUCTURED, "jit", reference="jit+slow")
+    oracle.check(RESTRUCTURED, "jit+checked")
+
+
+def test_two_meshlift_runs_placing_outputs_otherwise_are_told_apart():
+    problems = oracle.compare(RESTRUCTURED, oracle.lifting("jit"), oracle.lifting("ml.jit"))
+    assert any("is placed" in line for line in problems), problems
+
 
 SWAP_AND_CONFIG = oracle.Program(
     (

@@ -107,7 +107,11 @@ class Identities:
     def _describe(self, x: Any, path: str, new: dict[int, str]) -> tuple:
         if isinstance(x, nnx.Variable):
             raw = x.get_raw_value()
-            value = value_of(raw if isinstance(raw, jax.Array) else x[...])
+            if hasattr(raw, "dtype"):
+                value = value_of(raw if isinstance(raw, jax.Array) else x[...])
+            else:  # a pytree: each array by its key path
+                leaves = jax.tree_util.tree_flatten_with_path(x.get_value())[0]
+                value = tuple((jax.tree_util.keystr(k), value_of(v)) for k, v in leaves)
             return ("variable", type(x).__name__, self.name(x, path, new), value)
         if is_graph_leaf(x):
             return ("node", type(x).__name__, self.name(x, path, new), None)
@@ -127,17 +131,31 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(np.array_equal(a, b))
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) <= TOLERANCE * (1 + abs(a))
+    if isinstance(a, tuple) and isinstance(b, tuple):  # a pytree's (key path, value) pairs
+        return len(a) == len(b) and all(
+            ka == kb and _same_value(va, vb) for (ka, va), (kb, vb) in zip(a, b, strict=True)
+        )
     return type(a) is type(b) and a == b
 
 
 def _shown(entry: tuple) -> str:
     """One described object on one line: its first values where it is an array."""
     kind, type_name, name, value = entry
-    if isinstance(value, np.ndarray):
-        first = " ".join(f"{v:.4g}" for v in value.ravel()[:4].tolist())
-        more = " ..." if value.size > 4 else ""
-        value = f"{value.dtype}{list(value.shape)} [{first}{more}]"
-    return f"{kind} {type_name}" + (f" {name}" if name else "") + f" = {value}"
+    shown = (
+        "{" + ", ".join(f"{k}: {_array(v)}" for k, v in value) + "}"
+        if isinstance(value, tuple)
+        else _array(value)
+    )
+    return f"{kind} {type_name}" + (f" {name}" if name else "") + f" = {shown}"
+
+
+def _array(value: Any) -> Any:
+    """An array's dtype, shape and first values; anything else as itself."""
+    if not isinstance(value, np.ndarray):
+        return value
+    first = " ".join(f"{v:.4g}" for v in value.ravel()[:4].tolist())
+    more = " ..." if value.size > 4 else ""
+    return f"{value.dtype}{list(value.shape)} [{first}{more}]"
 
 
 def differences(expected: Mapping[str, tuple], actual: Mapping[str, tuple]) -> list[str]:

@@ -8,15 +8,16 @@ source runs under the reference and the target. Two families:
 
 * `graph_programs`: NNX models (nested modules, `nnx.List`, shared
   submodules and Variables, BatchNorm, Dropout, `Rngs`, custom Variable
-  types, `nnx.data` arrays, static values of every kind in
-  `vocabulary.STATICS`) passed in varying argument layouts (graph nodes
-  and arrays at varying positions, by keyword, in dicts and tuples, static
-  arguments of many types, donation by position and by name, a bound
-  method, `nnx.cached_partial`), changed inside the function (new values,
-  replace, swap, alias, add and delete attributes, static values changed in
-  place, `eval()`/`train()`) and between calls (the same, plus a
-  Variable's type or metadata changed in place, an object's class or
-  attribute dict swapped). The reference is eager execution.
+  types, Variables holding pytrees, `nnx.data` arrays, static values of
+  every kind in `vocabulary.STATICS`) passed in varying argument layouts
+  (graph nodes and arrays at varying positions, by keyword, in dicts and
+  tuples, static arguments of many types, donation by position and by name,
+  a bound method, `nnx.cached_partial`), changed inside the function (new values,
+  replace, swap, alias, add and delete attributes, a Variable given a value
+  of another pytree structure, static values changed in place,
+  `eval()`/`train()`) and between calls (the same, plus a Variable's type,
+  metadata or shape changed, an object's class or attribute dict swapped).
+  The reference is eager execution.
 * `array_programs`: functions of arrays and Python values under every
   combination of `static_argnums`/`static_argnames`/`donate_argnums`/
   `donate_argnames`, valid or not, called positionally and by keyword.
@@ -52,6 +53,7 @@ from meshlift.testing.oracle.vocabulary import STATICS
 SEEDS = st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 1.5])
 VARIABLE_TYPES = ["nnx.Param", "nnx.BatchStat", "Stat", "nnx.Variable"]
 SHAPES = {"w": "(2, 8)", "b": "(8,)"}  # the plan shards these over `model`
+PREFIXES = "wbwbt"  # a Variable `t<n>` holds a pytree (`nested`)
 STATIC_ARGUMENTS = ["1", "True", "1.0", "0", "False", '"s"', "None", "(1, 2)", "Color.RED"]
 STATIC_ARGUMENTS += ["Frozen(1.5)", "2", "2.0"]
 IMMUTABLE = ["int", "float", "bool", "str", "none", "tuple", "enum", "frozen"]
@@ -105,12 +107,15 @@ def _static(kinds: list[str] | None = None) -> st.SearchStrategy[str]:
 def _model(draw: Any, name: str, theme: str) -> _Model:
     model = _Model(name)
     refs = theme == "refs" or draw(st.integers(0, 9)) == 0
-    for prefix in draw(st.lists(st.sampled_from("wb"), min_size=1, max_size=3)):
+    for prefix in draw(st.lists(st.sampled_from(PREFIXES), min_size=1, max_size=3)):
         var = f"{prefix}{sum(v.startswith(prefix) for v in model.variables)}"
         kind = draw(st.sampled_from(VARIABLE_TYPES + ["nnx.Param"] * (theme == "variables")))
         ref = ", ref=True" if refs and prefix == "b" and theme != "training" else ""
+        value = (
+            f"nested({draw(SEEDS)})" if prefix == "t" else f"grid({SHAPES[prefix]}, {draw(SEEDS)})"
+        )
         model.variables.append(var)
-        model.attributes.append(f"{var}={kind}(grid({SHAPES[prefix]}, {draw(SEEDS)}){ref})")
+        model.attributes.append(f"{var}={kind}({value}{ref})")
     kinds = MUTABLE + INDIRECT * 6 if theme == "statics" else sorted(STATICS)
     count = draw(st.integers(1 if theme in ("statics", "inside") else 0, 2))
     for i in range(count):
@@ -153,6 +158,10 @@ def _models(draw: Any, theme: str) -> tuple[list[_Model], list[str]]:
     sharing = draw(st.sampled_from(["", "", "variable", "module", "across", "array"]))
     if theme == "layout" and draw(st.booleans()):
         sharing = "array"
+    if theme == "partial" and sharing == "across":
+        # nnx.cached_partial calls with a copy of m0: a module m1 shares with it is
+        # another object inside the function than the copy's, under nnx.jit as well
+        sharing = ""
     if sharing == "array":  # one array object stored on two modules (or twice on one)
         lines.append(
             "m0.t0 = m1.t0 = grid((8,), 0.5)"
@@ -190,6 +199,8 @@ def _inside(draw: Any, models: list[_Model], theme: str) -> tuple[str, bool]:
         kinds += ["learn"] * 3
     if theme == "variables":  # by type: a Variable's type changed in place matters
         kinds += ["params"] * 8
+    if theme not in ("partial", "training"):  # (an optimizer's state keeps its structure)
+        kinds.append("restructure")
     if theme == "statics" and len(model.statics) > 1:  # one static object where two were
         kinds += ["statics"] * 2
     kind = draw(st.sampled_from(kinds))
@@ -197,6 +208,9 @@ def _inside(draw: Any, models: list[_Model], theme: str) -> tuple[str, bool]:
         return f"bump({where}, {draw(st.sampled_from(model.variables))!r}, {draw(SEEDS)})", False
     if kind == "params":
         return f"bump_params({where}, {draw(SEEDS)})", False
+    if kind == "restructure":
+        variable = draw(st.sampled_from(model.variables))
+        return f"restructure({where}, {variable!r}, {draw(SEEDS)})", False
     if kind == "statics":
         first, second = draw(st.permutations(model.statics))[:2]
         return f"alias({where}, {first!r}, {second!r})", False
@@ -241,12 +255,14 @@ def _between(draw: Any, models: list[_Model], theme: str) -> str:
         return f"{change}({name}, {static!r})"
     if kind == "variable":
         changes = ["retype", "remeta", "reshape", "bump"]
+        changes += ["restructure"] * (theme not in ("partial", "training"))
         change = draw(st.sampled_from(changes + ["retype"] * (4 if theme == "variables" else 1)))
         if change == "retype":
             return f"retype({name}, {variable!r}, {draw(st.sampled_from(VARIABLE_TYPES))})"
         if change == "remeta":
             return f"remeta({name}, {variable!r}, {draw(st.sampled_from(['x', 'y']))!r})"
-        return f"{change}({name}, {variable!r}" + (f", {draw(SEEDS)})" if change == "bump" else ")")
+        seeded = change in ("bump", "restructure")
+        return f"{change}({name}, {variable!r}" + (f", {draw(SEEDS)})" if seeded else ")")
     pick = st.sampled_from(model.names())
     change = draw(st.sampled_from(["replace", "swap", "alias", "add", "delete", "mode"]))
     if change in ("swap", "alias"):

@@ -7,7 +7,9 @@ output and the state of every model (values and object identities), the
 arrays it deleted, how often the function was traced, or the error. `compare`
 runs a reference and a target and says where their records differ:
 
-* outputs, final state and identities must be equal, values to 1e-5;
+* outputs, final state and identities must be equal, values to 1e-5; between
+  two meshlift runs (its fast paths against its slow path), each output array
+  placed alike, as the layout each call ran on decides;
 * a call must delete no array its caller did not donate (and, against
   `jax.jit`, exactly the arrays `jax.jit` deletes, after the same number of
   traces);
@@ -218,6 +220,7 @@ class Recorder:
                 sorted(deleted - {i for i, _ in donated}),
                 self.traces,
                 refusal,
+                None if self.lifting.reference else _shardings(out),
             )
         )
 
@@ -293,6 +296,16 @@ def _arrays(arguments: list) -> tuple[list[tuple[str, Any]], list[tuple[str, Any
 
 def _deleted(x: Any) -> bool:
     return isinstance(x, jax.Array) and x.is_deleted()
+
+
+def _shardings(out: Any) -> dict[str, Any]:
+    """The sharding (and rank) of each array in an output, by path: what the layout made."""
+    leaves = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_graph_leaf)[0]
+    return {
+        "out" + jax.tree_util.keystr(keys): (leaf.sharding, leaf.ndim)
+        for keys, leaf in leaves
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted()
+    }
 
 
 _NAMESPACE = {name: getattr(vocabulary, name) for name in vocabulary.__all__}
@@ -407,9 +420,11 @@ def _step_differences(want: tuple, got: tuple, refusable: bool, exact: bool) -> 
         return [*problems, f"raised {got[1].__name__}: {got[2]}"]
     if want[0] == "error":
         return [f"the reference raised {want[1].__name__} ({want[2]}); the target returned"]
-    _, want_out, want_state, want_deleted, _, want_traces, _ = want
-    _, got_out, got_state, got_deleted, undonated, got_traces, _ = got
+    _, want_out, want_state, want_deleted, _, want_traces, _, want_shardings = want
+    _, got_out, got_state, got_deleted, undonated, got_traces, _, got_shardings = got
     problems = [f"output {line}" for line in differences(want_out, got_out)]
+    if want_shardings is not None and got_shardings is not None:  # two meshlift runs
+        problems += _sharding_differences(want_shardings, got_shardings)
     problems += [f"state {line}" for line in differences(want_state, got_state)]
     problems += [f"deleted `{path}`, which was not donated" for path in undonated]
     if exact and want_deleted != got_deleted:
@@ -417,6 +432,15 @@ def _step_differences(want: tuple, got: tuple, refusable: bool, exact: bool) -> 
     if exact and want_traces != got_traces:
         problems.append(f"traced {got_traces} times so far, jax.jit {want_traces}")
     return problems
+
+
+def _sharding_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Output arrays that two meshlift runs of one program placed otherwise."""
+    return [
+        f"`{path}` is placed {actual[path][0]}, where the reference placed it {sharding}"
+        for path, (sharding, ndim) in expected.items()
+        if path in actual and not sharding.is_equivalent_to(actual[path][0], ndim)
+    ]
 
 
 def snippet(program: Program, target: str, reference: str = "eager") -> str:

@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from meshlift import compat
 from meshlift.graph import is_graph_leaf
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "layers",
     "learn",
     "mode",
+    "nested",
     "nnx",
     "node",
     "np",
@@ -83,6 +85,7 @@ __all__ = [
     "remeta",
     "replace",
     "reshape",
+    "restructure",
     "retype",
     "scaled",
     "setattr_if",
@@ -214,6 +217,11 @@ def grid(shape: tuple[int, ...], seed: float, dtype: Any = jnp.float32) -> jax.A
     return jnp.asarray(values.reshape(shape), dtype=dtype)
 
 
+def nested(seed: float) -> dict[str, Any]:
+    """A pytree for a Variable to hold: a dict of a matrix and a tuple of two vectors."""
+    return {"a": grid((2, 8), seed), "b": (grid((8,), seed + 0.5), grid((8,), 1.0))}
+
+
 # -- reading ------------------------------------------------------------------------------
 
 
@@ -295,7 +303,12 @@ def probe(args: Any) -> dict[str, jax.Array]:
                 return
             seen.add(id(x))
             if isinstance(x, nnx.Variable):
-                out[path] = _as_number_array(x[...]) * (1 + _crc(type(x).__name__))
+                kind = 1 + _crc(type(x).__name__)
+                if hasattr(x.get_raw_value(), "dtype"):
+                    out[path] = _as_number_array(x[...]) * kind
+                    return
+                for keys, leaf in jax.tree_util.tree_flatten_with_path(x.get_value())[0]:
+                    out[path + jax.tree_util.keystr(keys)] = jnp.asarray(leaf) * kind
                 return
             for name, value in sorted(attributes(x).items()):  # flax may reorder them
                 visit(value, f"{path}.{name}")
@@ -397,12 +410,16 @@ def bump_params(where: Any, by: float) -> None:
 
 
 def _bump(variable: Any, by: float) -> None:
-    if isinstance(variable, nnx.Variable) and hasattr(variable.get_raw_value(), "dtype"):
+    if not isinstance(variable, nnx.Variable):
+        return
+    if hasattr(variable.get_raw_value(), "dtype"):
         value = variable[...]
         if jnp.issubdtype(value.dtype, jnp.inexact):
             variable[...] = value * 0.5 + by
         elif jnp.issubdtype(value.dtype, jnp.integer):
             variable[...] = value + 1
+    else:  # a Variable holding a pytree: each of its arrays
+        variable.set_value(jax.tree.map(lambda x: x * 0.5 + by, variable.get_value()))
 
 
 def swap(where: Any, path: str, other: str) -> None:
@@ -434,6 +451,8 @@ def replace(where: Any, path: str, seed: float) -> None:
     if isinstance(old, nnx.Variable) and hasattr(old.get_raw_value(), "shape"):
         value = old.get_raw_value()
         new = type(old)(grid(value.shape, seed, value.dtype))
+    elif isinstance(old, nnx.Variable):  # a pytree: the same structure, new arrays
+        new = type(old)(jax.tree.map(lambda x: grid(x.shape, seed, x.dtype), old.get_value()))
     elif isinstance(old, Box):
         new = Box(w0=nnx.Param(grid((2, 8), seed)))
     else:
@@ -522,6 +541,24 @@ def reshape(where: Any, path: str) -> None:
     if isinstance(variable, nnx.Variable) and isinstance(variable.get_raw_value(), jax.Array):
         value = variable.get_raw_value()
         variable.set_value(jnp.concatenate([value, value + 1]))
+
+
+def restructure(where: Any, path: str, seed: float) -> None:
+    """Give a Variable a value of another pytree structure: an array becomes `{"a": it}`
+    and `{"a": it}` the array again; another dict gains the key `"c"` or, having it,
+    loses it."""
+    variable = _get(where, path)
+    if not isinstance(variable, nnx.Variable) or compat.is_ref(variable.get_raw_value()):
+        return
+    value = variable.get_value()
+    if not isinstance(value, dict):
+        variable.set_value({"a": value})
+    elif list(value) == ["a"]:
+        variable.set_value(value["a"])
+    elif "c" in value:
+        variable.set_value({k: v for k, v in value.items() if k != "c"})
+    else:
+        variable.set_value({**value, "c": grid((8,), seed)})
 
 
 def retype(where: Any, path: str, to: type) -> None:
