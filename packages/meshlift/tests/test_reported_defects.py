@@ -548,3 +548,17 @@ def test_a_variable_that_grows_at_each_call_runs_as_eager():
         results[name] = [lifted(model) for _ in range(3)], model.cache.get_value()
     jax.tree.map(_close, results["ml.jit"], results["eager"])
     assert results["ml.jit"][1].shape == (4,)
+
+
+def test_an_argument_a_plan_places_by_its_shape_is_placed_anew_for_another_shape():
+    # A plain pytree given a plan: its filters read each array, so another shape may get
+    # another spec, as meshlift's slow path resolves it. A spec given directly does not
+    # depend on the shape: a batch of another size runs on the same layout.
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    planned = ml.jit(lambda d: d["w"] * 2, in_shardings=(WIDE_PLAN,), mesh=mesh)
+    assert planned({"w": jnp.ones((2, 6))}).sharding.spec == P()
+    assert planned({"w": jnp.ones((2, 8))}).sharding.spec == P(None, "model")
+    direct = ml.jit(lambda d: d["w"] * 2, in_shardings=({"w": P("data")},), mesh=mesh)
+    direct({"w": jnp.ones((2, 8))})
+    direct({"w": jnp.ones((4, 8))})
+    assert len(direct._staged) == 1 and direct._cache_size() == 2

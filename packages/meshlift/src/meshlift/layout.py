@@ -136,7 +136,7 @@ class Layout:
         if any(donated) and any(compat.is_ref(raw(leaf)) for leaf in self.split.leaves):
             donated = [False] * len(donated)  # XLA cannot alias both: see _REF_DONATION
             warnings.warn(_REF_DONATION.format(names.function), UserWarning, stacklevel=5)
-        self.var_shardings, self.dyn_shardings = self._in_shardings(args, leaves)
+        self.var_shardings, self.dyn_shardings, by_plan = self._in_shardings(args, leaves)
         self.passed = {  # leaf position -> a value handed to the function unchanged
             i: leaves[i]
             for i in self.dyn_pos
@@ -162,7 +162,10 @@ class Layout:
         )
         self.donate_argnums = (2, 3) if self.donated else ()
         values = self.split.gather()
-        self.held = held_types(values)
+        # What the shardings were resolved for: each Variable's value, and each other leaf
+        # a plan resolved (`PureFunction` checks the values it is traced for against it).
+        self.checked_leaves = tuple(i for i in by_plan if i in self.dyn_pos)
+        self.held = held_types([*values, *(leaves[i] for i in self.checked_leaves)])
         # Everything the pure function is made of besides its arrays: where the graph nodes
         # sit, which leaves are donated, static values by type; never an identity.
         self.key = (
@@ -194,8 +197,10 @@ class Layout:
 
     def _in_shardings(
         self, args: tuple[Any, ...], leaves: list[Any]
-    ) -> tuple[tuple[Sharding | None, ...], dict[int, Sharding | None]]:
-        """One sharding per Variable (split order) and per other leaf (by leaf position)."""
+    ) -> tuple[tuple[Sharding | None, ...], dict[int, Sharding | None], tuple[int, ...]]:
+        """One sharding per Variable (split order) and per other leaf (by leaf position),
+        and the positions of the other leaves a plan gave theirs (its filters may read the
+        value)."""
         what = self.names.in_specs
         positional = self.signature.positional_prefix(
             self.in_specs, args, what, self.names.function
@@ -219,7 +224,8 @@ class Layout:
             )
             for pos in self.dyn_pos
         }
-        return var_shardings, dyn_shardings
+        by_plan = tuple(pos for pos in self.dyn_pos if isinstance(prefix[pos], StateSharding))
+        return var_shardings, dyn_shardings, by_plan
 
     def out_shardings(self, call: Call) -> Any:
         """The output's shardings; a plan for output modules is resolved on an abstract trace."""

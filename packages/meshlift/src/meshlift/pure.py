@@ -200,7 +200,9 @@ class PureFunction:
         self.out_container = type(out_specs) if type(out_specs) in (list, tuple) else None
         self.key = layout.key
         self.held = layout.held
-        self.var_specs = tuple(getattr(s, "spec", None) for s in layout.var_shardings)
+        self.checked_dyn = tuple(map(self.dyn_order.index, layout.checked_leaves))
+        shardings = (*layout.var_shardings, *map(layout.dyn_shardings.get, layout.checked_leaves))
+        self.held_specs = tuple(getattr(s, "spec", None) for s in shardings)
         self.manual = _manual_axes()  # those of a shard_map the layout was made inside
         self.__name__ = getattr(fun, "__name__", "lifted")
         self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
@@ -223,7 +225,9 @@ class PureFunction:
         values: list[Any] = [None] * len(self.var_order)
         for i, value in zip(self.var_order, (*kept_vars, *donated_vars), strict=True):
             values[i] = value
-        if self._held(values) != self.held:  # JAX traces again for another kind of value
+        dyn = (*kept_dyn, *donated_dyn)
+        checked = [*values, *map(dyn.__getitem__, self.checked_dyn)]
+        if self._held(checked) != self.held:  # JAX traces again for another kind of value
             raise StaleLayout(
                 f"{self.__name__} is traced for other values than its layout's (a Variable's "
                 f"structure, shape or dtype changed): meshlift makes a new layout"
@@ -289,7 +293,7 @@ class PureFunction:
         """`held_types` of the traced values, per-shard blocks (a backend that stages
         per shard) counted as the whole arrays they are blocks of."""
         manual = _manual_axes() - self.manual
-        return held_types(values, _shard_scales(self.var_specs, manual) if manual else None)
+        return held_types(values, _shard_scales(self.held_specs, manual) if manual else None)
 
     def _refuse_static_changes(self, paths: list[Path], undone: bool) -> None:
         shown = listing(format_path((self.names[p[0]], *p[1:])) for p in paths)  # type: ignore[call-overload]
