@@ -562,3 +562,32 @@ def test_an_argument_a_plan_places_by_its_shape_is_placed_anew_for_another_shape
     direct({"w": jnp.ones((2, 8))})
     direct({"w": jnp.ones((4, 8))})
     assert len(direct._staged) == 1 and direct._cache_size() == 2
+
+
+# 12 -- a Variable given a new value, then left out of the graph ----------------------------
+
+
+def bump_then_replace(m):
+    m.sub.w[...] = m.sub.w[...] + 1  # the caller still holds the old submodule...
+    m.sub = nnx.Param(jnp.zeros(2))  # ...which the function then replaces
+
+
+@pytest.mark.parametrize("backend", ["jit", "pjit"])
+def test_a_variable_changed_then_left_out_of_the_graph_keeps_its_new_value(backend):
+    # Eagerly the caller's Variable holds the new value; flax 0.12's nnx.jit drops it, as
+    # meshlift did: only Variables still in the new graph were written back.
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    kept = {}
+    for name, lift in [
+        ("eager", lambda f: f),
+        (backend, lambda f: ml.transform(backend, f, mesh=mesh, in_specs=(P(),))),
+    ]:
+        model = nnx.Module()
+        model.sub = nnx.Module()
+        model.sub.w = nnx.Param(jnp.ones(2))
+        old = model.sub
+        lift(bump_then_replace)(model)
+        assert isinstance(model.sub, nnx.Param)
+        kept[name] = old.w[...]
+    _close(kept[backend], kept["eager"])
+    _close(kept["eager"], jnp.full(2, 2.0))

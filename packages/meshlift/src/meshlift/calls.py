@@ -217,8 +217,11 @@ def _write_back(
         )
     if info.update is not None:
         leaves = info.update.leaves(var_out, extra)
+        detached = info.update.detached  # given new values, then left out of the graph
         _check_no_leak(layout, leaves, info.update.sources, info.update.paths)
+        _check_no_leak(layout, [var_out[i] for i in detached], detached)
         index_map = info.update.apply(leaves, split.index_map(call.nodes), statics)
+        split.scatter(detached, [var_out[i] for i in detached], call.nodes)
         if placed is not None:  # a reference placed anew was updated through: keep it
             moved = [i for i, value in enumerate(values) if placed[i] is not value]
             refs = [i for i in moved if compat.is_ref(values[i])]

@@ -284,6 +284,7 @@ class Rebuilt:
         self.nodes = nnx.graph.unflatten(graphdef, list(values), index_ref=index_ref)
         self.values = tuple(values)
         self._outer_index = graphlib.RefMap((node, i) for i, node in index_ref.items())
+        self.detached: dict[int, Any] = {}  # see `_detached`, found by `changes`
 
     def changes(
         self, unchanged_graphdef: Any, leaf_position: dict[int, int], arrays: Sequence[int]
@@ -319,8 +320,27 @@ class Rebuilt:
             for value, s in zip(leaves, sources, strict=True)
             if s is not None and value is self.values[s] and compat.is_ref(value)
         )
-        update = GraphUpdate(graphdef, tuple(flat.paths), tuple(sources), tuple(indices), in_place)
+        self.detached = self._detached(ref_index, leaf_position)
+        update = GraphUpdate(
+            graphdef, tuple(flat.paths), tuple(sources), tuple(indices), in_place, self.detached
+        )
         return ref_index, leaves, update
+
+    def _detached(
+        self, reachable: graphlib.RefMap, leaf_position: dict[int, int]
+    ) -> dict[int, Any]:
+        """Split position -> new value, for each of the caller's Variables that the function
+        gave a new value and then left unreachable from the arguments (a submodule holding
+        it was replaced): run eagerly, the caller's Variable holds that value."""
+        detached: dict[int, Any] = {}
+        for node, outer in self._outer_index.items():
+            position = leaf_position.get(outer)
+            if position is None or not isinstance(node, nnx.Variable) or node in reachable:
+                continue
+            value = raw(node)
+            if value is not self.values[position]:
+                detached[position] = value
+        return detached
 
     def _in_place(self, leaves: list[Any], sources: Iterable[int | None]) -> list[Any]:
         """`leaves` with flax's "updated in place" marker (a `ref=True` Variable's array
@@ -343,6 +363,9 @@ class GraphUpdate:
     `j` is (it keeps that Variable's sharding), or None for a new one. `in_place`
     are the split positions whose value is the caller's own reference (a
     `ref=True` Variable's, mutated through it): not an output, kept as it is.
+    `detached` are the split positions of Variables given a new value and then
+    left out of the new graph: their new values are written to the caller's
+    Variables, which are not re-pointed anywhere.
     """
 
     def __init__(
@@ -352,9 +375,10 @@ class GraphUpdate:
         sources: tuple[int | None, ...],
         indices: tuple[int | None, ...],
         in_place: frozenset[int] = frozenset(),
+        detached: Iterable[int] = (),
     ):
         self.graphdef, self.paths, self.sources, self.indices = graphdef, paths, sources, indices
-        self.in_place = in_place
+        self.in_place, self.detached = in_place, tuple(detached)
 
     def check_metadata(self, before: Any, names: Sequence[str]) -> None:
         """Refuse if the function changed the metadata of a caller's Variable (not carried back).

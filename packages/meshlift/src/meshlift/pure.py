@@ -274,6 +274,8 @@ class PureFunction:
                     extra.append(value)
                 elif source not in update.in_place:
                     var_list[source] = value
+            for position, value in rebuilt.detached.items():
+                var_list[position] = value
             changed, var_out = (), tuple(var_list)
         container = type(out)
         if container in (list, tuple) and self.out_container not in (None, container):
