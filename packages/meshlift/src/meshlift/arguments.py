@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from meshlift import compat
 from meshlift.graph import is_graph_leaf
 from meshlift.paths import Path, PlanError, key_name
 
@@ -45,14 +46,16 @@ class Signature:
         donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
     ):
-        _refuse_as_jit_does(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
+        jitted = _refuse_as_jit_does(
+            fun, static_argnums, static_argnames, donate_argnums, donate_argnames
+        )
         self.names = _parameter_names(fun)
-        self.static_argnums, self.static_argnames = _infer(
-            self.names, static_argnums, static_argnames
+        resolved = compat.jit_argnums(jitted) or (
+            *_infer(self.names, static_argnums, static_argnames),
+            *_infer(self.names, donate_argnums, donate_argnames),
         )
-        self.donate_argnums, self.donate_argnames = _infer(
-            self.names, donate_argnums, donate_argnames
-        )
+        self.static_argnums, self.static_argnames = resolved[0], resolved[1]
+        self.donate_argnums, self.donate_argnames = resolved[2], resolved[3]
 
     def pop_statics(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -152,12 +155,12 @@ def _leaf_arguments(
     return out
 
 
-def _refuse_as_jit_does(fun: Callable[..., Any], *options: Any) -> None:
+def _refuse_as_jit_does(fun: Callable[..., Any], *options: Any) -> Any:
     """Raise `jax.jit`'s own error for options it refuses (an argnum out of range, an
     unknown argname, one argument both static and donated...): `jax.jit` checks them
-    when it wraps `fun`, so wrapping it is the check."""
+    when it wraps `fun`, so wrapping it is the check. Returns the wrapped function."""
     static_argnums, static_argnames, donate_argnums, donate_argnames = options
-    jax.jit(
+    return jax.jit(
         fun,
         static_argnums=static_argnums,
         static_argnames=static_argnames,

@@ -15,7 +15,8 @@ The names: `nnx.Variable._raw_value` / `._var_metadata` / `._can_update`,
 `jax._src.core.trace_state_clean`, `jax._src.mesh.get_concrete_mesh`,
 `jax._src.mesh.thread_resources`, `jax._src.named_sharding.DuplicateSpecError`,
 `jax._src.core.DebugInfo` with `jax._src.api_util.fun_sourceinfo` (a staged function's
-`__fun_debug_info__`) and `jax._src.source_info_util.register_exclusion`.
+`__fun_debug_info__`), `jax._src.source_info_util.register_exclusion`, and a jitted
+function's `_jit_info` (the static and donated arguments as `jax.jit` resolved them).
 """
 
 from __future__ import annotations
@@ -207,6 +208,21 @@ def graph_mode() -> Any:
             if switch is not None:
                 stack.enter_context(switch(True))
         yield
+
+
+def jit_argnums(jitted: Any) -> tuple[tuple[Any, ...], ...] | None:
+    """`(static_argnums, static_argnames, donate_argnums, donate_argnames)` as `jax.jit`
+    resolved them for `jitted`, by the installed jax's own rule (jax 0.12 reads a negative
+    number against the signature, as a name; jax 0.10 against each call's arguments);
+    None where jax keeps no record of them."""
+    info = getattr(jitted, "_jit_info", None)
+    try:
+        return tuple(
+            tuple(getattr(info, name))
+            for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames")
+        )
+    except (AttributeError, TypeError):
+        return None
 
 
 def debug_info(traced_for: str, fun: Callable[..., Any], arg_names: tuple[str, ...]) -> Any:
