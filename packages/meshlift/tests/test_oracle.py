@@ -64,6 +64,31 @@ RESTRUCTURED = oracle.Program(
 )
 
 
+# A Variable given a new value, then left out of the graph (its module replaced) while
+# another model still holds it: only Variables still in the graph were written back
+# (found by `nox -s fuzz`).
+DETACHED = oracle.Program(
+    (
+        "m0 = Box(w0=nnx.Param(grid((2, 8), 0.0)), sub=Box(w0=nnx.Param(grid((2, 8), 0.0))))",
+        "m1 = Box(w0=nnx.Param(grid((2, 8), 0.0)))",
+        "m1.shared = m0.sub",
+        "rec.start(m0=m0, m1=m1)",
+        "def fn(a, b):",
+        "    args = (a, b)",
+        "    bump(node(args, 0), 'sub.w0', 0.0)",
+        "    alias(node(args, 0), 'sub', 'w0')",
+        "    return probe(args)",
+        "f = rec.lift(fn)",
+        "rec.call(f, m0, m0)",
+    )
+)
+
+
+@pytest.mark.parametrize("target", ["ml.jit+checked", "ml.jit+slow+python", "jit"])
+def test_a_variable_changed_then_detached_keeps_its_value_as_eagerly(target):
+    oracle.check(DETACHED, target)
+
+
 def test_restructured_variables_run_on_the_fast_paths_as_on_the_slow_path():
     oracle.check(RESTRUCTURED, "jit", reference="jit+slow")
     oracle.check(RESTRUCTURED, "jit+checked")
