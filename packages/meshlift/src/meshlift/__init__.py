@@ -57,6 +57,7 @@ _LAZY: dict[str, str] = {
     "with_logical_partitioning": "meshlift.metadata",
     "with_partitioning": "meshlift.metadata",
     "PlanError": "meshlift.paths",
+    "RetraceWarning": "meshlift.paths",
     "StructureChangedError": "meshlift.paths",
     "TraceLeakError": "meshlift.paths",
     "BackendNotFoundError": "meshlift.plugins",
@@ -98,7 +99,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         with_logical_partitioning,
         with_partitioning,
     )
-    from meshlift.paths import PlanError, StructureChangedError, TraceLeakError
+    from meshlift.paths import PlanError, RetraceWarning, StructureChangedError, TraceLeakError
     from meshlift.plugins import BackendNotFoundError, backends, get_backend, get_frontend
     from meshlift.sharding import StateSharding, path_endswith
     from meshlift.stages import Compiled, Lowered, Traced
@@ -251,6 +252,7 @@ __all__ = [
     "Lifted",
     "Lowered",
     "PlanError",
+    "RetraceWarning",
     "Specs",
     "StageSpec",
     "StateSharding",

@@ -91,6 +91,11 @@ class LayoutCache:
         self._items.move_to_end(key)  # least recently used goes first
         return item[0]
 
+    def discard(self, entry: Any) -> None:
+        """Forget `entry`, under whichever key it is held."""
+        for key in [key for key, (held, _) in self._items.items() if held is entry]:
+            del self._items[key]
+
     def put(self, key: Hashable, entry: Any, nodes: tuple[Any, ...]) -> None:
         forget = functools.partial(_forget, weakref.ref(self), key)
         guards = []

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Sharding
 
-from meshlift import compat, resolve
+from meshlift import compat, resolve, static_changes
 from meshlift.arguments import Signature, static_key
 from meshlift.graph import GraphSplit, is_graph_leaf, is_graph_type, raw
 from meshlift.paths import Path, PlanError, format_path, key_name
@@ -181,6 +181,7 @@ class Layout:
             passed,
             self.held,  # what each Variable holds: its shardings and names are for that
         )
+        self.fun = fun
         self.pure = PureFunction(fun, self, self.input_names(values))
 
     def _check_hashable(self, passed: tuple[tuple[int, Any], ...]) -> None:
@@ -234,6 +235,7 @@ class Layout:
             isinstance(s, StateSharding | Mapping) for s in resolve.spec_leaves(self.out_specs)
         ):
             return resolve.simple_shardings(self.out_specs, self.mesh, names.out_specs)
+        traced = static_changes.begin()
         try:
             abstract_out, info = abstract_outputs(self.pure, self, call)
         except Exception as e:
@@ -245,6 +247,10 @@ class Layout:
                 f"trace failed ({type(e).__name__}: {e}). Give {names.out_specs} as "
                 f"PartitionSpecs for this function."
             ) from e
+        finally:
+            if static_changes.pending():  # undone: the call's own trace makes them again,
+                self.pure = PureFunction(self.fun, self, self.pure.input_names)  # not cached
+            static_changes.end(traced, keep=False)
         return resolve.output_shardings(
             self.out_specs, abstract_out, info.outputs, self.mesh, names.out_specs
         )

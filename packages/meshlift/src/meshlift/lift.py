@@ -29,12 +29,13 @@ assert len(traces) == 1
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
 from jax.sharding import AbstractMesh, Mesh
 
-from meshlift import call_plans, calls, compat, methods, modes, resolve, speedups
+from meshlift import call_plans, calls, compat, methods, modes, resolve, speedups, static_changes
 from meshlift.arguments import Signature, check_graph_mode, static_key
 from meshlift.backend import Backend, Specs, StageSpec
 from meshlift.caches import LayoutCache, options_key, shared_stages
@@ -50,7 +51,7 @@ from meshlift.layout import (
     pass_key,
 )
 from meshlift.mesh import current_mesh
-from meshlift.paths import PlanError
+from meshlift.paths import PlanError, RetraceWarning, listing, user_stacklevel
 from meshlift.plugins import get_backend
 from meshlift.pure import StaleLayout
 from meshlift.staged_errors import named_errors
@@ -60,6 +61,8 @@ Params = ParamSpec("Params")  # the lifted function's parameters
 Result = TypeVar("Result")  # and what it returns
 # What `mesh=` takes: a mesh, a function giving one at each call, or None (the call site's).
 MeshLike: TypeAlias = Mesh | AbstractMesh | Callable[[], Mesh | AbstractMesh | None] | None
+# Calls in a row that re-trace because their trace changed a static value, before a warning.
+_RETRACES_BEFORE_WARNING = 3
 
 
 class Lifted(Generic[Params, Result]):
@@ -147,6 +150,7 @@ class Lifted(Generic[Params, Result]):
         self._graph_context = compat.graph_context()
         self._entries = LayoutCache()
         self._plan: speedups.CallPlan | None = None  # the last call's, if the next may repeat it
+        self._retraces = 0  # calls in a row whose trace changed a static value in place
         sig, specs = self.signature, self.specs
         self._staged = shared_stages(
             fun,
@@ -196,6 +200,17 @@ class Lifted(Generic[Params, Result]):
         cached = self._graph_context.tmp_static_cache is not None
         if cached:  # called by nnx.cached_partial: take its cache, as flax's transforms do
             self._graph_context.tmp_static_cache = None
+        traced = static_changes.begin()  # a trace's changes in place: kept if the call succeeds
+        try:
+            result = self._call(args, kwargs, cached)
+        except BaseException as error:
+            if stuck := static_changes.end(traced, keep=False):
+                error.add_note(f"meshlift could not undo the change in place of {listing(stuck)}")
+            raise
+        static_changes.end(traced, keep=True)
+        return result
+
+    def _call(self, args: tuple, kwargs: dict, cached: bool) -> Any:
         plan = self._plan
         try:
             if plan is not None and not kwargs and plan.slot is not None:
@@ -210,7 +225,7 @@ class Lifted(Generic[Params, Result]):
         """Run `entry` for `call`, and keep the plan for calls like it."""
         call.fixed_structure = cached
         result = calls.run(entry, entry.staged, call)
-        self._plan = call_plans.plan_after(entry, call, self.mesh) if modes.fast_paths else None
+        self._plan = self._plan_after(entry, call)
         return result
 
     def _run_planned(
@@ -227,12 +242,41 @@ class Lifted(Generic[Params, Result]):
         except Exception as error:
             call = Call.of_arguments(args, plan.node_positions, cached)
             return calls.recover(entry, error, plan.staged, values(), None, call)
-        if speedups.plan_write(plan, outputs):
+        if not static_changes.pending() and speedups.plan_write(plan, outputs):
             return outputs[2]
         call = Call.of_arguments(args, plan.node_positions, cached)
         result = calls.finish(entry, outputs, values(), None, call)
-        self._plan = call_plans.plan_after(entry, call, self.mesh)
+        self._plan = self._plan_after(entry, call)
         return result
+
+    def _plan_after(self, entry: Entry, call: Call) -> speedups.CallPlan | None:
+        """The plan for calls like `call`, which ran `entry` and succeeded; none if its trace
+        changed a static value in place: then the next call traces again, as eager
+        execution runs the Python again. A warning once this keeps happening."""
+        changed = static_changes.pending()
+        if not changed:
+            self._retraces = 0
+            return call_plans.plan_after(entry, call, self.mesh) if modes.fast_paths else None
+        self._forget(entry)
+        self._retraces += 1
+        if self._retraces == _RETRACES_BEFORE_WARNING:
+            warnings.warn(
+                f"{self.names.function} has re-traced on each of its last {self._retraces} "
+                f"calls because it changes {listing(changed)} in place: a static value is "
+                f"compiled into the program, so each change is a new program. If the value "
+                f"is data, keep it in an nnx.Variable (or pass it as an array); if it is a "
+                f"setting, change it outside the lifted function",
+                RetraceWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return None
+
+    def _forget(self, entry: Entry) -> None:
+        """Forget `entry` and its staged function (its trace changed a static value in
+        place), so that the next call makes a new layout and traces again."""
+        self._entries.discard(entry)
+        for key in [key for key, staged in self._staged.items() if staged is entry.staged]:
+            del self._staged[key]
 
     def trace(self, *args: Params.args, **kwargs: Params.kwargs) -> Traced:
         """Trace for these arguments; `.lower()` continues. Nothing is written back.
@@ -298,15 +342,24 @@ class Lifted(Generic[Params, Result]):
 
     def _staging(self, args: tuple, kwargs: dict, step: Callable[[Entry, Call], Any]) -> Any:
         """`step(entry, call)` for these arguments' entry, errors in the caller's names;
-        again on a new layout where a Variable holds another kind of value than before."""
+        again on a new layout where a Variable holds another kind of value than before.
+        A stage writes nothing back: what its trace changed in place is undone, and the
+        program it traced forgotten, so that a call runs the Python again."""
+        traced = static_changes.begin()
+        entry = None
         try:
-            entry, call = self._entry(args, kwargs)
-            with named_errors(entry.layout, call):
-                return step(entry, call)
-        except StaleLayout:
-            entry, call = self._entry(args, kwargs, fresh=True)
-            with named_errors(entry.layout, call):
-                return step(entry, call)
+            try:
+                entry, call = self._entry(args, kwargs)
+                with named_errors(entry.layout, call):
+                    return step(entry, call)
+            except StaleLayout:
+                entry, call = self._entry(args, kwargs, fresh=True)
+                with named_errors(entry.layout, call):
+                    return step(entry, call)
+        finally:
+            if static_changes.pending() and entry is not None:
+                self._forget(entry)
+            static_changes.end(traced, keep=False)
 
     def _stage_method(self, entry: Entry, method: str) -> Any:
         """`entry.staged.<method>` (`trace`, `lower`); its absence names the backend."""

@@ -34,19 +34,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import os
-import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias, overload
 
-import flax
 import jax
 from flax.core import spmd as flax_spmd
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift.mesh import current_mesh
-from meshlift.paths import PlanError
+from meshlift.paths import PlanError, user_stacklevel
 
 MeshAxes: TypeAlias = str | tuple[str, ...] | None  # or PartitionSpec.UNCONSTRAINED
 Rules: TypeAlias = Sequence[tuple[str, MeshAxes]]
@@ -229,22 +226,8 @@ def report_skipped(skipped: Mapping[SkippedRule, Sequence[str]], *, strict: bool
         message + "; if the rules also serve a mesh that has this axis, filter "
         "ml.AxisRuleWarning, or pass strict=True to make this an error.",
         AxisRuleWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
-
-
-_LIBRARIES = tuple(
-    os.path.dirname(path) + os.sep for path in (__file__, jax.__file__, flax.__file__)
-)
-
-
-def _user_stacklevel() -> int:
-    """The `stacklevel` for `warnings.warn` that points at the first caller outside the
-    libraries (meshlift, jax, flax), so a warning names the user's line."""
-    level, frame = 2, sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        level, frame = level + 1, frame.f_back
-    return level
 
 
 @overload

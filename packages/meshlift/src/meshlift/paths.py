@@ -15,6 +15,8 @@ assert format_path(("model", "layers", 0, "kernel")) == "model.layers.0.kernel"
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Hashable, Iterable
 from typing import Any, TypeAlias
 
@@ -31,6 +33,10 @@ class StructureChangedError(RuntimeError):
 
 class TraceLeakError(RuntimeError):
     """Writing back would put an outer transform's tracers into the caller's objects."""
+
+
+class RetraceWarning(UserWarning):
+    """A lifted function re-traces on every call: its trace changes a static value in place."""
 
 
 def format_path(path: Iterable[Hashable]) -> str:
@@ -51,3 +57,17 @@ def listing(paths: Iterable[str], limit: int = 3) -> str:
     paths = list(paths)
     shown = ", ".join(f"`{p}`" for p in paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` for `warnings.warn` that points at the first caller outside the
+    libraries (meshlift, jax, flax), so a warning names the user's line."""
+    libraries = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for module in map(sys.modules.get, ("meshlift", "jax", "flax"))
+        if module is not None and module.__file__ is not None
+    )
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(libraries):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -43,7 +43,7 @@ from typing import Any
 
 import jax
 
-from meshlift import compat
+from meshlift import compat, static_changes
 from meshlift.arguments import insert_statics, named_statics
 from meshlift.graph import (
     GraphSplit,
@@ -56,7 +56,7 @@ from meshlift.graph import (
     decode_outputs,
     encode_outputs,
 )
-from meshlift.paths import Path, StructureChangedError, format_path, listing
+from meshlift.paths import Path, format_path
 from meshlift.static_changes import StaticValues
 
 
@@ -210,6 +210,7 @@ class PureFunction:
         if code is not None:  # where JAX's messages say the function is ("step at x.py:12")
             self.__code__ = code
         # JAX's messages name the inputs as the caller does (`m.kernel`), not `kept_vars[1]`
+        self.input_names = arg_names
         info = compat.debug_info(layout.names.backend, fun, arg_names)
         if info is not None:
             self.__fun_debug_info__ = info
@@ -246,11 +247,11 @@ class PureFunction:
         statics = StaticValues(rebuilt.nodes)  # the caller's own objects, shared by the trace
         try:
             out = fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
-        finally:
-            changed_in_place = statics.changed()
-            undone = not changed_in_place or statics.restore()
-        if changed_in_place:
-            self._refuse_static_changes(changed_in_place, undone)
+        except BaseException:
+            statics.restore()
+            raise
+        if changed_in_place := statics.changed():  # kept or undone by the call in progress
+            static_changes.record(statics, tuple(map(self._caller_path, changed_in_place)))
 
         ref_index, new_values, update = rebuilt.changes(
             self.unchanged_graphdef, self.leaf_position, self.arrays
@@ -297,16 +298,9 @@ class PureFunction:
         manual = _manual_axes() - self.manual
         return held_types(values, _shard_scales(self.held_specs, manual) if manual else None)
 
-    def _refuse_static_changes(self, paths: list[Path], undone: bool) -> None:
-        shown = listing(format_path((self.names[p[0]], *p[1:])) for p in paths)  # type: ignore[call-overload]
-        raise StructureChangedError(
-            f"{self.__name__} changed {shown} in place. Static values are compiled into the "
-            f"program, and JAX runs the function's Python once per compile: later calls would "
-            f"run without the change. "
-            + ("It was undone and nothing" if undone else "It could not be undone; nothing else")
-            + " was written back. Assign a new value instead (`model.cfg = Config(...)`), or "
-            "change it outside the lifted function."
-        )
+    def _caller_path(self, path: Path) -> str:
+        """A path below the graph nodes (node position first) in the caller's names."""
+        return format_path((self.names[path[0]], *path[1:]))  # type: ignore[index]
 
 
 class _LastTrace(threading.local):

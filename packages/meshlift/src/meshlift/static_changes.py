@@ -1,14 +1,19 @@
-"""Static values changed in place inside a trace: noticed, named and undone.
+"""Static values changed in place inside a trace: noticed, kept or undone, and re-traced.
 
 A static value (a config object, a list, a closure's cell) is compiled into
 the program, and the objects a traced function sees are the caller's own.
 JAX runs the function's Python once per compile, so a change it makes to one
-of them in place would happen on the first call only: later calls of the
-compiled program would run without it. `StaticValues` fingerprints each
-static value before the function runs and keeps a shallow copy of every
-mutable object it reaches; afterwards `changed()` names what changed and
-`restore()` puts it back, so the lifted function can refuse the change and
-leave the caller's objects as they were.
+of them in place (optax's cosine schedule turns its `decay_steps` 8 into 8.0
+on first use) would happen on the first call only if the program were
+reused. `StaticValues` fingerprints each static value before the function
+runs and keeps a shallow copy of every mutable object it reaches; afterwards
+`changed()` names what changed and `restore()` puts it back.
+
+A trace hands what it changed to the lifted call in progress (`begin`,
+`record`, `end`): a call that succeeds keeps the changes, as eager
+execution does, and forgets its program, so the next call traces again and
+runs the Python again; a call that fails undoes them; a stage (`trace`,
+`lower`, `eval_shape`) writes nothing back, so it undoes them too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import array
 import collections
 import contextlib
+import contextvars
 import functools
 import gc
 import types
@@ -38,8 +44,7 @@ from meshlift.structure import (
 
 class StaticValues:
     """The static values held by some graph nodes, and a shallow copy of every mutable object
-    they reach, to notice and undo a change made in place: a function being traced runs its
-    Python once per compile, so such a change would not happen again on later calls.
+    they reach, to notice a change made in place by a trace, and to undo it.
 
     Example:
 
@@ -47,9 +52,10 @@ class StaticValues:
     from meshlift.static_changes import StaticValues
 
     model = nnx.Module()
-    model.sizes = [1, 2]
+    model.sizes, model.steps = [1, 2], {"decay": 8}
     statics = StaticValues((model,))
     model.sizes.append(3)
+    model.steps["decay"] = 8.0               # equal under ==: no change
     assert statics.changed() == [(0, "sizes")]
     statics.restore()
     assert model.sizes == [1, 2]
@@ -57,15 +63,22 @@ class StaticValues:
     """
 
     def __init__(self, nodes: tuple[Any, ...]):
-        self._values = [(path, value, fingerprint(value)) for path, value in _static_values(nodes)]
+        self._values = [
+            (path, value, fingerprint(value, typed=False)) for path, value in _static_values(nodes)
+        ]
         self._copies: list[tuple[Any, Any]] = []
         seen: set[int] = set()
         for _, value, _ in self._values:
             self._copy(value, seen)
 
     def changed(self) -> list[tuple[Any, ...]]:
-        """The paths (top-level position first) of values changed in place since."""
-        return [path for path, value, before in self._values if fingerprint(value) != before]
+        """The paths (top-level position first) of values changed in place since; a number
+        that became an equal one of another type (8 and 8.0) is no change."""
+        return [
+            path
+            for path, value, before in self._values
+            if fingerprint(value, typed=False) != before
+        ]
 
     def restore(self) -> bool:
         """Put back what every object held; False if some change could not be undone."""
@@ -84,6 +97,47 @@ class StaticValues:
             self._copies.append((obj, contents))
         for child in children:
             self._copy(child, seen)
+
+
+# What the traces of the innermost lifted call (or stage) in progress changed in place:
+# (the values, the caller's paths that changed), in the order the traces ran.
+_TRACED: contextvars.ContextVar[list[tuple[StaticValues, tuple[str, ...]]] | None] = (
+    contextvars.ContextVar("meshlift_static_changes", default=None)
+)
+
+
+def begin() -> contextvars.Token:
+    """Start collecting the changes in place that traces make, until `end`."""
+    return _TRACED.set([])
+
+
+def record(values: StaticValues, paths: tuple[str, ...]) -> None:
+    """A trace changed `values` in place at `paths` (the caller's names): the lifted call in
+    progress keeps or undoes it; with none in progress, it is undone now."""
+    traced = _TRACED.get()
+    if traced is None:
+        values.restore()
+    else:
+        traced.append((values, paths))
+
+
+def pending() -> tuple[str, ...]:
+    """The paths changed in place by the traces of the call in progress so far."""
+    return tuple(path for _, paths in _TRACED.get() or () for path in paths)
+
+
+def end(token: contextvars.Token, keep: bool) -> tuple[str, ...]:
+    """Stop collecting; undo every change unless `keep`. The paths that could not be
+    undone (none if `keep`)."""
+    traced = _TRACED.get() or []
+    _TRACED.reset(token)
+    if keep:
+        return ()
+    stuck: list[str] = []
+    for values, paths in reversed(traced):  # the earliest snapshot is put back last
+        if not values.restore():
+            stuck += paths
+    return tuple(stuck)
 
 
 def _static_values(nodes: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], Any]]:

@@ -66,37 +66,40 @@ def per_type(fun: Callable[[type], _T]) -> Callable[[type], _T]:
     return functools.cache(fun)
 
 
-def fingerprint(x: Any) -> Hashable:
+def fingerprint(x: Any, typed: bool = True) -> Hashable:
     """A hashable key, equal for objects with equal contents, independent of identity.
 
     Functions compare by code and closed-over values; plain objects, slotted
     objects and dataclasses by their fields; containers by their items (sets
     as sets); objects with their own `__eq__` and `__hash__` as themselves.
+    Numbers and strings compare by type and value, as `jax.jit` keys a static
+    argument (`1`, `True` and `1.0` differ); with `typed=False` by value
+    alone, as `==` compares them.
     """
-    return _fingerprint(x, set())
+    return _fingerprint(x, set(), typed)
 
 
-def _fingerprint(x: Any, active: set[int]) -> Hashable:
+def _fingerprint(x: Any, active: set[int], typed: bool = True) -> Hashable:
     if isinstance(x, _ATOMS):
-        return (type(x), x)
+        return (type(x), x) if typed else x
     if id(x) in active:  # a cycle, e.g. a recursive closure
         return ("cycle", type(x))
     active.add(id(x))
     try:
-        return _fingerprint_compound(x, active)
+        return _fingerprint_compound(x, active, typed)
     finally:
         active.discard(id(x))
 
 
-def _cell_fingerprint(cell: types.CellType, active: set[int]) -> Hashable:
+def _cell_fingerprint(cell: types.CellType, active: set[int], typed: bool) -> Hashable:
     try:
-        return _fingerprint(cell.cell_contents, active)
+        return _fingerprint(cell.cell_contents, active, typed)
     except ValueError:  # a name the function uses but that is not assigned yet
         return ("empty cell",)
 
 
-def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
-    fp = functools.partial(_fingerprint, active=active)
+def _fingerprint_compound(x: Any, active: set[int], typed: bool) -> Hashable:
+    fp = functools.partial(_fingerprint, active=active, typed=typed)
     cls = type(x)
     if isinstance(x, list | tuple):
         return (cls, tuple(map(fp, x)), _fields(x, fp))
@@ -110,7 +113,7 @@ def _fingerprint_compound(x: Any, active: set[int]) -> Hashable:
     if isinstance(x, set | frozenset):
         return (cls, frozenset(map(fp, x)))
     if isinstance(x, types.FunctionType):
-        cells = tuple(_cell_fingerprint(c, active) for c in x.__closure__ or ())
+        cells = tuple(_cell_fingerprint(c, active, typed) for c in x.__closure__ or ())
         return (types.FunctionType, x.__code__, cells, fp(x.__defaults__), fp(x.__kwdefaults__))
     if isinstance(x, functools.partial):
         return (functools.partial, fp(x.func), fp(x.args), fp(x.keywords))

@@ -68,14 +68,9 @@ THEMES += ["layout", "statics", "variables", "refs"]
 
 @attrs.frozen
 class Program:
-    """The source of `def program(rec):` and what the oracle may accept from it.
-
-    `refusable` is set when an operation inside the function is one meshlift
-    may refuse, naming the path (a static value changed in place inside a trace).
-    """
+    """The source of `def program(rec):`."""
 
     lines: tuple[str, ...]
-    refusable: bool = False
 
     def source(self) -> str:
         body = textwrap.indent("\n".join(self.lines), "    ")
@@ -183,9 +178,8 @@ def _models(draw: Any, theme: str) -> tuple[list[_Model], list[str]]:
 
 
 @st.composite
-def _inside(draw: Any, models: list[_Model], theme: str) -> tuple[str, bool]:
-    """One operation of the function body on graph node `i` of its arguments; whether
-    meshlift may refuse it (a static value changed in place inside a trace)."""
+def _inside(draw: Any, models: list[_Model], theme: str) -> str:
+    """One operation of the function body on graph node `i` of its arguments."""
     i = draw(st.integers(0, 1))
     model = models[min(i, len(models) - 1)]
     where = f"node(args, {i})"
@@ -193,8 +187,7 @@ def _inside(draw: Any, models: list[_Model], theme: str) -> tuple[str, bool]:
     kinds = ["bump", "layers", "params"]
     if theme != "partial":  # nnx.cached_partial keeps the structure it was given
         kinds += ["swap", "alias", "replace", "add", "delete", "mode", "set"]
-    if theme not in ("partial", "statics"):  # (refused: the calls after it would not run)
-        kinds.append("touch")
+    kinds += ["touch"] * (3 if theme == "statics" else 1)  # a static changed in place: retraced
     if theme == "training":
         kinds += ["learn"] * 3
     if theme == "variables":  # by type: a Variable's type changed in place matters
@@ -205,31 +198,31 @@ def _inside(draw: Any, models: list[_Model], theme: str) -> tuple[str, bool]:
         kinds += ["statics"] * 2
     kind = draw(st.sampled_from(kinds))
     if kind == "bump":
-        return f"bump({where}, {draw(st.sampled_from(model.variables))!r}, {draw(SEEDS)})", False
+        return f"bump({where}, {draw(st.sampled_from(model.variables))!r}, {draw(SEEDS)})"
     if kind == "params":
-        return f"bump_params({where}, {draw(SEEDS)})", False
+        return f"bump_params({where}, {draw(SEEDS)})"
     if kind == "restructure":
         variable = draw(st.sampled_from(model.variables))
-        return f"restructure({where}, {variable!r}, {draw(SEEDS)})", False
+        return f"restructure({where}, {variable!r}, {draw(SEEDS)})"
     if kind == "statics":
         first, second = draw(st.permutations(model.statics))[:2]
-        return f"alias({where}, {first!r}, {second!r})", False
+        return f"alias({where}, {first!r}, {second!r})"
     if kind in ("layers", "learn"):
-        return ("layers(node(args, 0))" if kind == "layers" else "learn(args)"), False
+        return "layers(node(args, 0))" if kind == "layers" else "learn(args)"
     if kind in ("swap", "alias"):
-        return f"{kind}({where}, {draw(pick)!r}, {draw(pick)!r})", False
+        return f"{kind}({where}, {draw(pick)!r}, {draw(pick)!r})"
     if kind in ("replace", "add"):
         target = draw(pick) if kind == "replace" else draw(st.sampled_from(["new", "w9"]))
-        return f"{kind}({where}, {target!r}, {draw(SEEDS)})", False
+        return f"{kind}({where}, {target!r}, {draw(SEEDS)})"
     if kind == "delete":
-        return f"delete({where}, {draw(pick)!r})", False
+        return f"delete({where}, {draw(pick)!r})"
     if kind == "mode":
-        return f"mode({where}, train={draw(st.booleans())})", False
+        return f"mode({where}, train={draw(st.booleans())})"
     if kind == "set":
-        return f"setattr_if({where}, {draw(pick)!r}, {draw(_static())})", False
+        return f"setattr_if({where}, {draw(pick)!r}, {draw(_static())})"
     if not model.statics:
-        return f"layers({where})", False
-    return f"touch({where}, {draw(st.sampled_from(model.statics))!r})", True
+        return f"layers({where})"
+    return f"touch({where}, {draw(st.sampled_from(model.statics))!r})"
 
 
 @st.composite
@@ -340,7 +333,7 @@ def graph_programs(draw: Any) -> Program:
     body = [
         "    rec.trace()",
         f"    args = ({', '.join(params)},)",
-        *(f"    {line}" for line, _ in operations),
+        *(f"    {line}" for line in operations),
         "    return probe(args)",
     ]
     roots = ", ".join(f"{m.name}={m.name}" for m in models) + (", o0=o0" if optimizer else "")
@@ -371,7 +364,7 @@ def graph_programs(draw: Any) -> Program:
             else:
                 values = [draw(_argument(passed, p == static, optimizer)) for p in lifted_params]
         lines.append(_call(draw, "f", lifted_params, values))
-    return Program(tuple(lines), any(flag for _, flag in operations))
+    return Program(tuple(lines))
 
 
 def _options(draw: Any, params: Sequence[str], static: str | None, donated: str | None) -> str:

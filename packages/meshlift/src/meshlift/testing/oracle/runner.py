@@ -16,8 +16,7 @@ runs a reference and a target and says where their records differ:
 * both raise, the target an instance of the reference's exception; or the
   target refuses what `jax.jit` refuses (keyword arguments next to
   `in_shardings`, one donated buffer given twice), which the reference
-  then skips; or, for a program marked refusable, the target raises a
-  meshlift error naming a path;
+  then skips; any other refusal is a difference, as a wrong answer is;
 * a call that raised changed nothing the caller can see.
 
 Example:
@@ -46,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -75,8 +73,6 @@ def _vector(path: Any, variable: Any) -> bool:
 
 # The oracle's plan on a 2x4 mesh: matrices split over `model` by column, vectors by row.
 PLAN = ml.StateSharding({_matrix: P(None, "model"), _vector: P("model"), ...: P()})
-# The meshlift errors that refuse a program, naming what they refuse.
-REFUSALS = (ml.PlanError, ml.StructureChangedError, ml.TraceLeakError)
 
 
 @attrs.frozen
@@ -336,28 +332,18 @@ def run(
     return recorder.records
 
 
-_PATH = re.compile(r"`[^`]+`")
-
-
 def compare(
     program: Program | Callable[[Recorder], None],
     target: Lifting,
     reference: Lifting = EAGER,
-    refusable: bool | None = None,
 ) -> list[str]:
-    """Where `target`'s run of `program` differs from `reference`'s (empty: they agree).
-
-    `refusable` (default: the program's own flag) lets the target refuse the
-    program with a meshlift error naming a path.
-    """
-    if refusable is None:
-        refusable = isinstance(program, Program) and program.refusable
+    """Where `target`'s run of `program` differs from `reference`'s (empty: they agree)."""
     actual = run(program, target, target)
     refused = frozenset(r[5] for r in actual if r[0] == "error" and r[3] is not None)
     expected = run(program, reference, target, refused)
     exact = reference is JAX_JIT
     for step, (want, got) in enumerate(zip(expected, actual, strict=False)):
-        problems = _step_differences(want, got, refusable, exact)
+        problems = _step_differences(want, got, exact)
         if problems:
             return [f"step {step + 1} ({_describe(want)} -> {_describe(got)}):", *problems]
         if got[0] == "error" and got[3] is None:
@@ -380,12 +366,10 @@ def check(program: Program, target: str | ml.Backend | Lifting, reference: str =
         )
 
 
-def replay(
-    program: Callable[[Recorder], None], target: str, reference: str = "eager", refusable=False
-) -> None:
+def replay(program: Callable[[Recorder], None], target: str, reference: str = "eager") -> None:
     """Run a snippet's `program` both ways; print that they agree, or raise AssertionError
     listing where they differ."""
-    problems = compare(program, lifting(target), lifting(reference), refusable)
+    problems = compare(program, lifting(target), lifting(reference))
     if problems:
         raise AssertionError(f"{target} differs from {reference}:\n" + "\n".join(problems))
     print(f"{target} agrees with {reference}")
@@ -400,7 +384,7 @@ def _describe(record: tuple) -> str:
     return {"call": "returned", "skipped": f"skipped ({record[1]})"}[kind]
 
 
-def _step_differences(want: tuple, got: tuple, refusable: bool, exact: bool) -> list[str]:
+def _step_differences(want: tuple, got: tuple, exact: bool) -> list[str]:
     if want[0] == "skipped":  # the target refuses this call, changing nothing
         if got[0] != "error" or not issubclass(got[1], ValueError):
             return [f"the target should refuse this call as jax.jit does ({want[1]})"]
@@ -415,8 +399,6 @@ def _step_differences(want: tuple, got: tuple, refusable: bool, exact: bool) -> 
             if not issubclass(got[1], want[1]):
                 problems.append(f"raised {got[1].__name__}, not {want[1].__name__}: {got[2]}")
             return problems
-        if refusable and issubclass(got[1], REFUSALS) and _PATH.search(got[2]):
-            return problems  # a refusal naming the path
         return [*problems, f"raised {got[1].__name__}: {got[2]}"]
     if want[0] == "error":
         return [f"the reference raised {want[1].__name__} ({want[2]}); the target returned"]
@@ -451,5 +433,5 @@ def snippet(program: Program, target: str, reference: str = "eager") -> str:
         "from meshlift.testing.oracle.runner import replay\n"
         "from meshlift.testing.oracle.vocabulary import *\n\n"
         f"{program.source()}\n"
-        f"replay(program, {target!r}, {reference!r}, refusable={program.refusable})\n"
+        f"replay(program, {target!r}, {reference!r})\n"
     )
