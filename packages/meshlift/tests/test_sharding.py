@@ -416,4 +416,6 @@ def test_a_filter_that_matches_nothing_warns_naming_it():
     with pytest.warns(UserWarning, match=r"filter path_endswith\('linear9', 'kernel'\)") as caught:
         forward(layer, jnp.ones((2, 4)))
     assert len(caught) == 1  # the bias filter matched, and ... is the catch-all
-    assert "of the plan in in_shardings matches no Variable of `m`" in str(caught[0].message)
+    assert "of the plan in in_shardings matches none of `m.bias`, `m.kernel`" in str(
+        caught[0].message
+    )

@@ -216,15 +216,17 @@ class Layout:
         node_specs = [
             (format_path(self.leaf_paths[pos]), leaves[pos], prefix[pos]) for pos in self.node_pos
         ]
+        use = resolve.PlanUse()
         var_shardings = resolve.variable_shardings(
-            node_specs, position, len(split.leaves), self.mesh, what
+            node_specs, position, len(split.leaves), self.mesh, what, use
         )
         dyn_shardings = {
             pos: resolve.leaf_sharding(
-                prefix[pos], self.leaf_paths[pos], leaves[pos], self.mesh, what
+                prefix[pos], self.leaf_paths[pos], leaves[pos], self.mesh, what, use
             )
             for pos in self.dyn_pos
         }
+        use.check(what)
         by_plan = tuple(pos for pos in self.dyn_pos if isinstance(prefix[pos], StateSharding))
         return var_shardings, dyn_shardings, by_plan
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from meshlift import compat
 from meshlift.graph import is_graph_leaf, variable_paths
-from meshlift.paths import Path, PlanError, format_path, key_name
-from meshlift.sharding import Spec, StateSharding, as_plan, is_spec, value_shape
+from meshlift.paths import Path, PlanError, format_path, key_name, listing, user_stacklevel
+from meshlift.sharding import Spec, StateSharding, as_plan, is_path_filter, is_spec, value_shape
 from meshlift.specs import repeats_an_axis, spec_problems
 
 
@@ -143,16 +143,28 @@ def mesh_shape(mesh: Any) -> dict[str, int] | None:
 
 
 def broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = "") -> list[Any]:
-    """One spec per leaf of `tree` (graph nodes are leaves) from a prefix of it."""
+    """One spec per leaf of `tree` (graph nodes are leaves) from a prefix of it.
+
+    A plan stands for everything below where it is given: each leaf gets the
+    plan's view `below` the leaf's keys from there, so a plan made from an
+    object (`from_metadata`, `ml.get_sharding`) means the same wherever that
+    object is passed. A Variable holding a spec (`ml.get_sharding`'s output)
+    gives that spec.
+    """
     if is_graph_leaf(tree) and isinstance(prefix, Mapping) and not is_graph_leaf(prefix):
         prefix = StateSharding.from_state(prefix)
+    if isinstance(prefix, nnx.Variable) and is_spec(prefix.get_raw_value()):
+        prefix = prefix.get_raw_value()
     if is_spec(prefix) or is_graph_leaf(tree):
         if not is_spec(prefix):
             raise PlanError(
                 f"{what} at `{path or '<root>'}` is a {type(prefix).__name__} but the value "
                 f"there is a {type(tree).__name__}; use a PartitionSpec or a StateSharding"
             )
-        return [as_plan(prefix)] * len(jax.tree.leaves(tree, is_leaf=is_graph_leaf))
+        plan = as_plan(prefix)
+        if isinstance(plan, StateSharding):
+            return [plan.below(keys) for keys in _leaf_keys(tree)]
+        return [plan] * len(jax.tree.leaves(tree, is_leaf=is_graph_leaf))
     if isinstance(prefix, tuple | list) and isinstance(tree, tuple | list):
         if len(prefix) == len(tree):
             return [
@@ -184,10 +196,71 @@ def broadcast_prefix(prefix: Any, tree: Any, what: str, noun: str, path: str = "
     )
 
 
+def _leaf_keys(tree: Any) -> list[Path]:
+    """The keys of each leaf of `tree` (graph nodes are leaves) below its root, as a graph
+    path has them: names, and list positions as numbers."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_graph_leaf)[0]
+    return [tuple(map(_plain_key, keys)) for keys, _ in leaves]
+
+
+def _plain_key(key: Any) -> Hashable:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
 def _one_level(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     """The (key, child) pairs of a pytree node, and its one-level treedef."""
     children, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
     return [(".".join(key_name(k) for k in keys), child) for keys, child in children], treedef
+
+
+class PlanUse:
+    """Which filters of each plan matched, over every argument it was given for in one call.
+
+    A plan made from an object (its filters are that object's paths) none of
+    whose filters matched anything there (but `...`) is an error: it was
+    given for something else (a plan made from a `TrainState` given for its
+    `params`, say), and running it would move the caller's arrays to the
+    placement of `...`. Any other path filter that matched nothing is a
+    warning (a typo?); a type, tag or predicate may match nothing in one call.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[StateSharding, set[int], list[str]]] = {}
+
+    def rule(self, plan: StateSharding, path: Path, value: Any, full: str) -> int:
+        """The index of `plan`'s rule for `value` at `path`, noted as used for `full`."""
+        index = plan.rule_for(path, value)
+        origin = plan.origin
+        _, matched, seen = self._plans.setdefault(id(origin), (origin, set(), []))
+        matched.add(index)
+        seen.append(full)
+        return index
+
+    def check(self, what: str) -> None:
+        """Raise for a plan that matched nothing; warn for each filter that matched nothing."""
+        for plan, matched, seen in self._plans.values():
+            filters = [(i, f, spec) for i, (f, _, spec) in enumerate(plan.rules) if f is not ...]
+            if plan.names_paths and matched.isdisjoint(i for i, _, _ in filters):
+                raise PlanError(
+                    f"no filter of the plan in {what} matches anything it was given for (it "
+                    f"saw {listing(seen)}; its filters are {[f for _, f, _ in filters]}), so "
+                    f"every array there would take the spec of `...` and be moved to it. "
+                    f"Give the plan for the object it was made from (a plan from "
+                    f"`StateSharding.from_metadata(state)` or `ml.get_sharding(state, mesh)` "
+                    f"where `state` is passed), or match these paths"
+                )
+            for i, filter_, spec in filters:
+                if i not in matched and is_path_filter(filter_):
+                    warnings.warn(
+                        f"the filter {filter_!r} (spec {spec}) of the plan in {what} matches "
+                        f"none of {listing(seen)}, so it does nothing: check its path or tag, "
+                        f"or drop it (an earlier filter may match first)",
+                        UserWarning,
+                        stacklevel=user_stacklevel(),
+                    )
 
 
 def variable_shardings(
@@ -196,6 +269,7 @@ def variable_shardings(
     count: int,
     mesh: Any,
     what: str,
+    use: PlanUse,
 ) -> tuple[Sharding | None, ...]:
     """One sharding per leaf of a split, from each top-level node's spec.
 
@@ -206,7 +280,6 @@ def variable_shardings(
     """
     shardings: list[Sharding | None] = [None] * count
     origin: dict[int, tuple[str, Any]] = {}
-    matched: dict[int, set[int]] = {}  # id(plan) -> indices of rules that matched a Variable
     for k, (name, node, node_spec) in enumerate(node_specs):
         for path, variable in variable_paths(node):
             key = id(variable) if isinstance(variable, nnx.Variable) else (k, *path)
@@ -214,9 +287,7 @@ def variable_shardings(
                 continue  # an array on a shared module, met again by another path
             full = format_path((name, *path))
             if isinstance(node_spec, StateSharding):
-                rule = node_spec.rule_for(path, variable)
-                matched.setdefault(id(node_spec), set()).add(rule)
-                spec = node_spec.rules[rule][2]
+                spec = node_spec.rules[use.rule(node_spec, path, variable, full)][2]
             else:
                 spec = node_spec
             i = leaf_position[key]
@@ -229,32 +300,21 @@ def variable_shardings(
                     f"{value_shape(variable)}) is given two specs, {origin[i][1]} and {spec}, on "
                     f"mesh {mesh_shape(mesh)}; give both paths the same spec"
                 )
-    _warn_unmatched(node_specs, matched, what)
     return tuple(shardings)
 
 
-def _warn_unmatched(
-    node_specs: Sequence[tuple[str, Any, Any]], matched: Mapping[int, set[int]], what: str
-) -> None:
-    """Warn about each filter of a plan that matched no Variable of the nodes it was given for."""
-    plans = {id(spec): spec for _, _, spec in node_specs if isinstance(spec, StateSharding)}
-    for key, plan in plans.items():
-        names = ", ".join(f"`{name}`" for name, _, spec in node_specs if spec is plan)
-        for i, (filter_, _, spec) in enumerate(plan.rules):
-            if i not in matched.get(key, ()) and filter_ is not Ellipsis:
-                warnings.warn(
-                    f"the filter {filter_!r} (spec {spec}) of the plan in {what} matches no "
-                    f"Variable of {names}, so it does nothing: check its path or tag, or drop "
-                    f"it (an earlier filter may match first)",
-                    UserWarning,
-                    stacklevel=2,
-                )
-
-
-def leaf_sharding(spec: Any, path: Path, value: Any, mesh: Any, what: str) -> Sharding | None:
-    """The sharding of one non-graph leaf at `path` (a plan is asked by the path)."""
+def leaf_sharding(
+    spec: Any, path: Path, value: Any, mesh: Any, what: str, use: PlanUse | None = None
+) -> Sharding | None:
+    """The sharding of one non-graph leaf at `path` (a plan is asked from where it was
+    given: its view's root), its use noted in `use`."""
     if isinstance(spec, StateSharding):
-        spec = spec.spec_for(path, value)
+        rule = (
+            spec.rule_for((), value)
+            if use is None
+            else use.rule(spec, (), value, format_path(path))
+        )
+        spec = spec.rules[rule][2]
     return to_sharding(spec, mesh, format_path(path), value, what)
 
 
@@ -278,7 +338,13 @@ def output_shardings(out_specs: Any, abstract_out: Any, nodes: Any, mesh: Any, w
         variables = dict(variable_paths(leaf))
         result.append(
             tuple(
-                leaf_sharding(spec, ("output", *path), variables[path], mesh, what)
+                leaf_sharding(
+                    spec.below(path) if isinstance(spec, StateSharding) else spec,
+                    ("output", *path),
+                    variables[path],
+                    mesh,
+                    what,
+                )
                 for path in nodes.paths[i]
             )
         )

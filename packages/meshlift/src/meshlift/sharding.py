@@ -190,6 +190,35 @@ class StateSharding:
             (filter_, nnx.filterlib.to_predicate(filter_), _check_spec_type(spec, filter_))
             for filter_, spec in pairs
         )
+        self.root: Path = ()  # where the parameters asked about sit below the plan's object
+        self.origin = self  # the plan as written (`below` gives views of it)
+
+    @property
+    def names_paths(self) -> bool:
+        """Whether every filter (but `...`) is a path of the object the plan was made from
+        (`from_metadata`, `from_state`, `ml.get_sharding`'s output), not a predicate."""
+        filters = [f for f, _, _ in self.rules if f is not ...]
+        return bool(filters) and all(isinstance(f, _PathPrefix | _AnnotatedPath) for f in filters)
+
+    def below(self, keys: Path) -> StateSharding:
+        """This plan for what sits at `keys` below the object it is given for: a path asked
+        about is read from that object (`("params", "l", "kernel")` for the Variable at
+        `state.params.l.kernel` when the plan is given for `state`), as a plan made from
+        that object (`from_metadata`, `ml.get_sharding`) names its parameters.
+
+        Example:
+
+        ```python
+        plan = ml.StateSharding.from_state({"params": {"kernel": P(None, "model")}})
+        kernel = nnx.Param(jnp.ones((2, 8)))
+        assert plan.below(("params", "kernel")).spec_for((), kernel) == P(None, "model")
+        ```
+        """
+        if not keys:
+            return self
+        view = object.__new__(StateSharding)
+        view.rules, view.root, view.origin = self.rules, (*self.root, *keys), self.origin
+        return view
 
     @classmethod
     def from_state(cls, specs: Mapping[Any, Any]) -> StateSharding:
@@ -324,6 +353,7 @@ class StateSharding:
         Raises:
             meshlift.PlanError: If no filter matches.
         """
+        path = (*self.root, *path)
         for i, (_, predicate, _) in enumerate(self.rules):
             if predicate(path, value):
                 return i
@@ -367,3 +397,10 @@ def value_shape(value: Any) -> tuple[int, ...]:
     if isinstance(value, nnx.Variable):
         value = value.get_raw_value()
     return tuple(getattr(value, "shape", ()))
+
+
+def is_path_filter(filter_: Any) -> bool:
+    """Whether `filter_` names a path (`path_endswith`, a path of a plan made from an object),
+    so that matching nothing is likely a typo; a type, a tag or a predicate may match nothing
+    in one call and something in another."""
+    return isinstance(filter_, path_endswith | _PathPrefix)
