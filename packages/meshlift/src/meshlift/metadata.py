@@ -272,7 +272,10 @@ def _place(value: Any, item: Annotated, mesh: Any) -> Any:
     report_skipped({rule: [where] for rule in skipped}, strict=False)
     if spec_problems(spec, shape, dict(mesh.shape)):
         return value  # left as made; ml.explain and the transforms report a bad spec by path
-    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
+    sharding = NamedSharding(mesh, spec)
+    if mesh.are_all_axes_explicit:  # sharding in types: a constraint would only assert
+        return jax.sharding.reshard(value, sharding)  # as flax places it there
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 # -- tree functions -----------------------------------------------------------------------

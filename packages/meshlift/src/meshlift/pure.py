@@ -31,6 +31,7 @@ assert float(model.bias[...].sum()) == 0.0   # the caller's model is not touched
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -151,6 +152,16 @@ def _shard_scales(specs: Sequence[Any], axes: frozenset[str]) -> list[tuple[int,
     return scales
 
 
+def _mesh_context(mesh: Any) -> contextlib.AbstractContextManager:
+    """The mesh context the lifted function is traced in: `mesh` (the transform's `mesh=`,
+    or the call site's) where the trace has none, as under `jax.set_mesh(mesh)`, so that
+    code sharding in types (`jnp.zeros(..., out_sharding=P("data"))`) finds it."""
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+    return jax.sharding.use_abstract_mesh(abstract)
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))  # meshlift's own files
 
 
@@ -204,6 +215,7 @@ class PureFunction:
         shardings = (*layout.var_shardings, *map(layout.dyn_shardings.get, layout.checked_leaves))
         self.held_specs = tuple(getattr(s, "spec", None) for s in shardings)
         self.manual = _manual_axes()  # those of a shard_map the layout was made inside
+        self.mesh = layout.mesh  # the function's mesh context where the trace has none
         self.__name__ = getattr(fun, "__name__", "lifted")
         self.__qualname__ = getattr(fun, "__qualname__", self.__name__)
         code = _code(fun)
@@ -246,7 +258,10 @@ class PureFunction:
         fun = self.fun_ref()
         statics = StaticValues(rebuilt.nodes)  # the caller's own objects, shared by the trace
         try:
-            out = fun(*insert_statics(args, self.statics), **kwargs, **named_statics(self.statics))
+            with _mesh_context(self.mesh):
+                out = fun(
+                    *insert_statics(args, self.statics), **kwargs, **named_statics(self.statics)
+                )
         except BaseException:
             statics.restore()
             raise

@@ -32,6 +32,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import jax
+
 from meshlift import resolve
 from meshlift.paths import PlanError, format_path
 from meshlift.pure import RETURNED, RUNNING, abstract_outputs, last_trace
@@ -59,9 +61,26 @@ def explain(layout: Any, error: BaseException, call: Any) -> None:
         problem = _plan_problem(layout, call, check_output=trace == RETURNED)
         if problem is not None:
             raise problem from error
-    note = names_note(layout, str(error))
-    if note:
-        error.add_note(note)
+    for note in (names_note(layout, str(error)), axis_types_note(layout.mesh, str(error))):
+        if note:
+            error.add_note(note)
+
+
+def axis_types_note(mesh: Any, message: str) -> str | None:
+    """How to make the mesh, if JAX refused code that shards in types (`out_sharding=`) on
+    a mesh with Auto axes (`ml.make_mesh`'s default; `jax.make_mesh` makes Explicit ones)."""
+    if mesh is None or ("of type Auto" not in message and "AxisType.Auto" not in message):
+        return None
+    if not any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return None
+    shape = dict(mesh.shape)
+    return (
+        f"meshlift: the mesh {shape} has Auto axes, `ml.make_mesh`'s default (`jax.make_mesh` "
+        f"makes Explicit ones). Code that shards in types (`out_sharding=`, "
+        f"`jax.sharding.reshard`) needs Explicit axes: make the mesh with "
+        f"`ml.make_mesh({shape}, axis_types=(AxisType.Explicit,) * {len(shape)})` "
+        f"(`from jax.sharding import AxisType`)."
+    )
 
 
 def _plan_problem(layout: Any, call: Any, check_output: bool) -> PlanError | None:

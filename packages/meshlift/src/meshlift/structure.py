@@ -107,7 +107,9 @@ def _fingerprint_compound(x: Any, active: set[int], typed: bool) -> Hashable:
         return (cls, x.maxlen, tuple(map(fp, x)))
     if isinstance(x, _BUFFERS):
         return (cls, getattr(x, "typecode", None), _buffer_contents(x))
-    if isinstance(x, dict | graphlib.HashableMapping | types.MappingProxyType):
+    if isinstance(x, graphlib.HashableMapping):  # flax's (Variable metadata): its order is
+        return (cls, frozenset((fp(k), fp(v)) for k, v in x.items()))  # no part of it
+    if isinstance(x, dict | types.MappingProxyType):
         extra = fp(getattr(x, "default_factory", None))
         return (cls, tuple((fp(k), fp(v)) for k, v in x.items()), extra)
     if isinstance(x, set | frozenset):
