@@ -133,6 +133,14 @@ def fuzz(session: nox.Session) -> None:
     session.run("pytest", *ORACLE_TESTS, *options, *session.posargs, env=XLA_ENV | scale)
 
 
+@nox.session(tags=["oracle"])
+def corpus(session: nox.Session) -> None:
+    """The ecosystem corpus at length: every library object on every backend, plan and mesh,
+    against nnx.jit, as a table (`-- --backend jit --case adamw --mesh explicit` narrows it)."""
+    install(session, *TEST_TOOLS)
+    session.run("python", "-m", "meshlift.testing.corpus", *session.posargs, env=XLA_ENV)
+
+
 def package_tests(name: str, path: str) -> None:
     def run(session: nox.Session) -> None:
         run_pytest(session, f"{path}/tests")

@@ -28,13 +28,11 @@ assert len(traces) == 1
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
-import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from meshlift import call_plans, calls, compat, methods, modes, resolve, speedups, static_changes
@@ -52,7 +50,7 @@ from meshlift.layout import (
     node_positions,
     pass_key,
 )
-from meshlift.mesh import current_mesh
+from meshlift.mesh import InMesh, current_mesh
 from meshlift.paths import PlanError, RetraceWarning, listing, user_stacklevel
 from meshlift.plugins import get_backend
 from meshlift.pure import StaleLayout
@@ -135,7 +133,7 @@ class Lifted(Generic[Params, Result]):
         self.specs = _checked_specs(self.backend, in_specs, out_specs, options)
         self.mesh = self.backend.read_mesh(mesh)
         self.options = self.backend.read_options(options)
-        per_shard = "manual-collectives" in self.backend.capabilities
+        per_shard = "manual-collectives" in self.backend.capabilities  # in its own mesh
         self._context_mesh = self.mesh if isinstance(self.mesh, Mesh) and not per_shard else None
         argnums = (static_argnums, static_argnames, donate_argnums, donate_argnames)
         self._receiver = methods.graph_receiver(fun)
@@ -206,8 +204,7 @@ class Lifted(Generic[Params, Result]):
             self._graph_context.tmp_static_cache = None
         traced = static_changes.begin()  # a trace's changes in place: kept if the call succeeds
         try:
-            with self._mesh_context():
-                result = self._call(args, kwargs, cached)
+            result = self._call(args, kwargs, cached)
         except BaseException as error:
             if stuck := static_changes.end(traced, keep=False):
                 error.add_note(f"meshlift could not undo the change in place of {listing(stuck)}")
@@ -353,15 +350,14 @@ class Lifted(Generic[Params, Result]):
         traced = static_changes.begin()
         entry = None
         try:
-            with self._mesh_context():
-                try:
-                    entry, call = self._entry(args, kwargs)
-                    with named_errors(entry.layout, call):
-                        return step(entry, call)
-                except StaleLayout:
-                    entry, call = self._entry(args, kwargs, fresh=True)
-                    with named_errors(entry.layout, call):
-                        return step(entry, call)
+            try:
+                entry, call = self._entry(args, kwargs)
+                with named_errors(entry.layout, call):
+                    return step(entry, call)
+            except StaleLayout:
+                entry, call = self._entry(args, kwargs, fresh=True)
+                with named_errors(entry.layout, call):
+                    return step(entry, call)
         finally:
             if static_changes.pending() and entry is not None:
                 self._forget(entry)
@@ -471,15 +467,6 @@ class Lifted(Generic[Params, Result]):
             f"positionally (with a spec each), or mark them static (static_argnames)"
         )
 
-    def _mesh_context(self) -> contextlib.AbstractContextManager:
-        """`jax.set_mesh(mesh)` for a call where `mesh=` is a mesh and the call site has
-        none, so that the function runs in it as under `jax.set_mesh` (JAX reads it when
-        it traces and when it places the program); a backend that runs per shard gets its
-        mesh from its own transform."""
-        if self._context_mesh is None or compat.concrete_mesh() is not None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self._context_mesh)
-
     def _call_site_mesh(self) -> Any:
         """`mesh=` if given (called, if it is a function), else the `ml.use_mesh` mesh."""
         if self.mesh is None:
@@ -511,6 +498,8 @@ class Lifted(Generic[Params, Result]):
                 f"{type(staged).__name__} {staged!r}: its stage(fn, spec) must return the staged "
                 f"callable, such as jax.jit(fn, ...); did it forget to return it?"
             )
+        if self._context_mesh is not None:  # mesh= is the function's mesh context
+            staged = InMesh(staged, self._context_mesh)
         self._staged[layout.key] = staged
         return staged
 

@@ -14,7 +14,8 @@ with ml.use_mesh(mesh):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -131,3 +132,40 @@ def current_mesh(*, legacy: bool = False) -> Mesh | None:
     if mesh is None and legacy:
         mesh = compat.legacy_mesh()
     return mesh
+
+
+class InMesh:
+    """A staged function called in `jax.set_mesh(mesh)` where its caller has no mesh in
+    context, so that `mesh=` given to a transform is the function's mesh context, as
+    under `jax.set_mesh` (JAX reads it when it traces, and when it places the program);
+    inside an outer trace, where `jax.set_mesh` cannot be entered, the call is made as
+    it is. Its stages (`trace`, `lower`, `eval_shape`) are made in the mesh alike.
+
+    Example:
+
+    ```python
+    from jax.sharding import PartitionSpec as P
+    from meshlift.mesh import InMesh
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    zeros = InMesh(jax.jit(lambda: jnp.zeros((8, 4), out_sharding=P("data"))), mesh)
+    assert zeros().sharding.spec == P("data", None)
+    ```
+    """
+
+    __slots__ = ("mesh", "staged")
+
+    def __init__(self, staged: Callable[..., Any], mesh: Mesh):
+        self.staged, self.mesh = staged, mesh
+
+    def __call__(self, *args: Any) -> Any:
+        if compat.concrete_mesh() is not None or not compat.outside_traces():
+            return self.staged(*args)
+        with jax.set_mesh(self.mesh):
+            return self.staged(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.staged, name)
+        if name in ("trace", "lower", "eval_shape"):
+            return InMesh(found, self.mesh)
+        return found  # _cache_size, clear_cache

@@ -31,11 +31,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.testing import corpus, oracle
 from meshlift.testing import models as M
-from meshlift.testing import oracle
 from meshlift.testing.capabilities import requires
 
 SCALAR = P()
+# A sample of the ecosystem corpus each backend runs: a schedule that changes itself in
+# place, written-back statistics, a decoding cache, a flax TrainState.
+LIBRARY_OBJECTS = (
+    "optax.adamw+cosine_decay_schedule",
+    "nnx.BatchNorm train",
+    "nnx.MultiHeadAttention decode",
+    "flax TrainState",
+)
 
 
 def lift(backend: ml.Backend, fn, mesh, in_specs, out_specs=SCALAR, **kwargs):
@@ -565,5 +573,13 @@ class TestConformance:
     def test_generated_programs_run_as_they_run_eagerly(self, meshlift_backend, program):
         # Generated models, argument layouts and changes (meshlift.testing.oracle), under the
         # oracle's plan on a 2x4 mesh (replicated for a backend that runs per shard): the
-        # same outputs, state and object identities as eager, or a refusal naming a path.
+        # same outputs, state and object identities as eager.
         oracle.check(program, meshlift_backend)
+
+    # -- the libraries' own objects (the ecosystem corpus: `nox -s corpus` runs it all) -------
+    @pytest.mark.parametrize("case", LIBRARY_OBJECTS)
+    def test_library_objects_run_as_under_nnx_jit(
+        self, meshlift_backend, meshlift_mesh, meshlift_per_shard, case
+    ):
+        plan = "replicated" if meshlift_per_shard else "metadata"
+        corpus.check(case, meshlift_backend, meshlift_mesh, plan)

@@ -48,6 +48,8 @@ from typing import Any
 import attrs
 from hypothesis import strategies as st
 
+from meshlift.testing.corpus.objects import READS_VALUES
+from meshlift.testing.corpus.objects import TRANSFORMATIONS as _CORPUS
 from meshlift.testing.oracle.vocabulary import STATICS
 
 SEEDS = st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 1.5])
@@ -58,6 +60,9 @@ STATIC_ARGUMENTS = ["1", "True", "1.0", "0", "False", '"s"', "None", "(1, 2)", "
 STATIC_ARGUMENTS += ["Frozen(1.5)", "2", "2.0"]
 IMMUTABLE = ["int", "float", "bool", "str", "none", "tuple", "enum", "frozen"]
 MUTABLE = sorted(set(STATICS) - set(IMMUTABLE))  # what `touch` changes in place
+# A training program's optimizer: an optax object of the ecosystem corpus (those that read
+# the loss, which `learn` does not give, left out).
+TRANSFORMATIONS = sorted(set(_CORPUS) - READS_VALUES)
 # reached through another object: a proxy's dict, a method's object, a closure's cell...
 INDIRECT = ["proxy", "method", "closure", "key", "config", "namespace"]
 # What a program is about: its ingredients are always there, the rest is drawn freely.
@@ -172,8 +177,9 @@ def _models(draw: Any, theme: str) -> tuple[list[_Model], list[str]]:
     elif sharing == "across" and len(models) > 1 and first.children:
         lines.append(f"m1.shared = m0.{first.children[0]}")
         models[1].children.append("shared")
-    if theme == "training":
-        lines.append("o0 = nnx.Optimizer(m0, optax.sgd(0.1), wrt=nnx.Param)")
+    if theme == "training":  # optax's own objects (a cosine schedule changes itself)
+        tx = draw(st.sampled_from(TRANSFORMATIONS))
+        lines.append(f"o0 = nnx.Optimizer(m0, transformation({tx!r}), wrt=nnx.Param)")
     return models, lines
 
 

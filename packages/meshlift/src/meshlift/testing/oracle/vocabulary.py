@@ -93,6 +93,7 @@ __all__ = [
     "swap_class",
     "swap_dict",
     "touch",
+    "transformation",
     "types",
 ]
 
@@ -382,6 +383,14 @@ def _assign(parent: Any, name: str, value: Any) -> None:
 
 
 # -- operations: each does nothing where its target is missing ------------------------------
+
+
+def transformation(name: str) -> optax.GradientTransformation:
+    """The ecosystem corpus's optax object `name`: an optimizer (`"adamw"`), adamw with a
+    schedule (`"adamw+cosine_decay_schedule"`) or a wrapper (`"MultiSteps"`)."""
+    from meshlift.testing.corpus.objects import TRANSFORMATIONS
+
+    return TRANSFORMATIONS[name]()
 
 
 def learn(args: tuple) -> None:
