@@ -42,8 +42,9 @@ def install(session: nox.Session, *extra: str, constraints: str = "constraints.t
     session.install("-c", constraints, *editables, *extra)
 
 
-# orbax: the checkpoints page and its tests; hypothesis: the oracle (meshlift.testing.oracle)
-TEST_TOOLS = ("pytest", "hypothesis", "orbax-checkpoint")
+# orbax: the checkpoints page, its tests and the corpus; hypothesis: the oracle
+# (meshlift.testing.oracle); cloudpickle: lifted functions pickle as jax.jit's do
+TEST_TOOLS = ("pytest", "hypothesis", "orbax-checkpoint", "cloudpickle")
 
 
 def run_pytest(session: nox.Session, *paths: str) -> None:
@@ -67,7 +68,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(name="tests-tree-mode", tags=["tree-mode"])
 def tests_tree_mode(session: nox.Session) -> None:
     """The core and jit suites with flax's tree mode on (NNX_GRAPH_MODE=false)."""
-    install(session, "pytest", "hypothesis")
+    install(session, *TEST_TOOLS)
     run_tree_mode(session)
 
 

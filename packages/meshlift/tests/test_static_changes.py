@@ -163,3 +163,20 @@ def test_optax_cosine_schedules_train_as_under_nnx_jit(schedule):
             lifted(model, optimizer, x), reference(ref_model, ref_optimizer, x), rtol=1e-6
         )
     np.testing.assert_allclose(model.kernel[...], ref_model.kernel[...], rtol=1e-6)
+
+
+class Holder:
+    """A plain object: what a module holds of it is static."""
+
+
+def test_a_traced_value_stored_in_a_static_value_is_refused_naming_its_path():
+    model = nnx.Module()
+    model.box, model.w = Holder(), nnx.Param(jnp.ones(2))
+
+    def store(m, x):
+        m.box.cache = nnx.Param(2 * x)  # a tracer, in an object no output carries back
+        return x
+
+    with pytest.raises(ml.TraceLeakError, match=r"stored a traced value at `m\.box\.cache`"):
+        ml.jit(store)(model, jnp.ones(2))
+    assert vars(model.box) == {}  # undone: nothing leaked

@@ -38,7 +38,7 @@ _LAZY: dict[str, str] = {
     "explain": "meshlift.explain",
     "hookimpl": "meshlift.hookspecs",
     "Lifted": "meshlift.lift",
-    "transform": "meshlift.lift",
+    "transform": "meshlift.transform",
     "AxisRuleWarning": "meshlift.logical",
     "axis_rules": "meshlift.logical",
     "logical_to_mesh": "meshlift.logical",
@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from meshlift.backend import Backend, Specs, StageSpec
     from meshlift.explain import Explanation, explain
     from meshlift.hookspecs import hookimpl
-    from meshlift.lift import Lifted, transform
+    from meshlift.lift import Lifted
     from meshlift.logical import (
         AxisRuleWarning,
         axis_rules,
@@ -103,6 +103,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from meshlift.plugins import BackendNotFoundError, backends, get_backend, get_frontend
     from meshlift.sharding import StateSharding, path_endswith
     from meshlift.stages import Compiled, Lowered, Traced
+    from meshlift.transform import transform
 else:  # hidden from type checkers, so that a misspelt `ml.jti` is still an error there
 
     def __getattr__(name: str) -> Any:
@@ -128,7 +129,7 @@ else:  # hidden from type checkers, so that a misspelt `ml.jti` is still an erro
 
 
 class _Package(types.ModuleType):
-    """The `meshlift` module, keeping `ml.explain` the function.
+    """The `meshlift` module, keeping `ml.explain` and `ml.transform` the functions.
 
     Importing a submodule sets it as an attribute of its package; `meshlift.explain` is
     both a submodule and a public function, and the function must win (as it did when

@@ -28,6 +28,7 @@ assert len(traces) == 1
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +37,7 @@ from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 from jax.sharding import AbstractMesh, Mesh
 
 from meshlift import call_plans, calls, compat, methods, modes, resolve, speedups, static_changes
-from meshlift.arguments import Signature, check_graph_mode, static_key
+from meshlift.arguments import Signature, static_key
 from meshlift.backend import Backend, Specs, StageSpec
 from meshlift.caches import LayoutCache, options_key, shared_stages
 from meshlift.calls import Entry
@@ -128,6 +129,8 @@ class Lifted(Generic[Params, Result]):
                 f"{type(mesh).__name__}: {mesh!r}; make one with `ml.make_mesh({shape})`"
             )
         functools.update_wrapper(self, fun)
+        self._made_with = (fun, backend, in_specs, out_specs, mesh, static_argnums)
+        self._made_with += (static_argnames, donate_argnums, donate_argnames, options)
         self.backend = get_backend(backend)
         options = dict(options or {})
         self.specs = _checked_specs(self.backend, in_specs, out_specs, options)
@@ -167,6 +170,17 @@ class Lifted(Generic[Params, Result]):
                 tuple(sorted(self.options.items())),
             ),
         )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as the arguments it was made with (a copy traces anew), as `jax.jit`'s
+        functions are; pickle a lambda or a closure with cloudpickle."""
+        return _remade, self._made_with
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Lifted[Params, Result]:
+        """A new lifted function of a deep copy of `fun` (a bound method: of a copy of its
+        object) with the same options, as `copy.deepcopy(jax.jit(f))` gives."""
+        fun, *rest = self._made_with
+        return _remade(copy.deepcopy(fun, memo), *rest)
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__qualname__", None) or f"a {type(self.fun).__name__}"
@@ -504,132 +518,24 @@ class Lifted(Generic[Params, Result]):
         return staged
 
 
-@overload
-def transform(
-    backend: str | Backend,
-    fun: Callable[Params, Result],
-    /,
-    *,
-    mesh: MeshLike = None,
-    in_specs: Any = None,
-    out_specs: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-    **options: Any,
-) -> Lifted[Params, Result]: ...
+# -- helpers ---------------------------------------------------------------------------
 
 
-@overload
-def transform(
-    backend: str | Backend,
-    fun: None = None,
-    /,
-    *,
-    mesh: MeshLike = None,
-    in_specs: Any = None,
-    out_specs: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-    **options: Any,
-) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
-
-
-def transform(
-    backend: str | Backend,
-    fun: Callable[..., Any] | None = None,
-    /,
-    *,
-    mesh: MeshLike = None,
-    in_specs: Any = None,
-    out_specs: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-    **options: Any,
-) -> Any:
-    """Lift `fun` with any backend, by name or object, using the unified argument names.
-
-    `in_specs`/`out_specs` are pytree prefixes of the positional arguments
-    and the output, with `PartitionSpec`, `NamedSharding`, `None` or
-    `StateSharding` leaves. Other keyword options go to the backend.
-    `graph` and `graph_updates` are flax's (`nnx.jit`'s) names for what
-    meshlift always does (graph semantics, updates carried back): True or
-    None; False, flax's tree mode, is refused rather than run otherwise.
-
-    Args:
-        backend: A backend name (`"jit"`, `"shard_map"`, `"pjit"`...) or a `Backend`.
-        fun: The function to lift; None gives a decorator.
-        mesh: A mesh, a function returning one at each call, or None for the mesh of
-            `ml.use_mesh`.
-        in_specs: Specs of the positional arguments; None: unspecified.
-        out_specs: Specs of the output; None: unspecified.
-        static_argnums: Positions of static arguments, as in `jax.jit`.
-        static_argnames: Names of static arguments, as in `jax.jit`.
-        donate_argnums: Positions of donated arguments, as in `jax.jit`.
-        donate_argnames: Names of donated arguments, as in `jax.jit`.
-        graph: flax's `graph=`: True or None; False is refused.
-        graph_updates: flax's `graph_updates=`: True or None; False is refused.
-        **options: Backend options (`keep_unused`, `check_vma`...), passed to its `stage`.
-
-    Returns:
-        The `Lifted` function, or, with `fun=None`, a decorator making one.
-
-    Raises:
-        TypeError: If `graph` or `graph_updates` is not a bool or None, or as `Lifted`.
-        ValueError: If `graph` or `graph_updates` is False (flax's tree mode), or as
-            `Lifted`.
-        meshlift.BackendNotFoundError: If no installed backend has the name `backend`.
-        meshlift.plugins.PluginError: If two plugins register the name `backend`.
-
-    Example:
-
-    ```python
-    import optax
-
-    mesh = ml.make_mesh({"data": 2, "model": 4})
-    model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    plan = ml.StateSharding({ml.path_endswith("kernel"): P(None, "model"), ...: P()})
-
-    def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(batch) ** 2))(model)
-        optimizer.update(model, grads)
-        return loss
-
-    step = ml.transform("jit", train_step, mesh=mesh, in_specs=(plan, plan, P("data")),
-                        out_specs=P())
-    loss = step(model, optimizer, jnp.ones((8, 16)))
-    ```
-    """
-    check_graph_mode(graph=graph, graph_updates=graph_updates)
-    backend = get_backend(backend)
-    lift = functools.partial(
-        Lifted,
-        backend=backend,
-        mesh=mesh,
+def _remade(fun: Any, backend: Any, in_specs: Any, out_specs: Any, mesh: Any, *rest: Any) -> Any:
+    """`Lifted` made again from what `__reduce__` gives."""
+    static_argnums, static_argnames, donate_argnums, donate_argnames, options = rest
+    return Lifted(
+        fun,
+        backend,
         in_specs=in_specs,
         out_specs=out_specs,
+        mesh=mesh,
         static_argnums=static_argnums,
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
         options=options,
     )
-    return lift if fun is None else lift(fun)
-
-
-# -- helpers ---------------------------------------------------------------------------
 
 
 def _programs(staged: Any) -> int:

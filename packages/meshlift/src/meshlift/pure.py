@@ -57,7 +57,7 @@ from meshlift.graph import (
     decode_outputs,
     encode_outputs,
 )
-from meshlift.paths import Path, format_path
+from meshlift.paths import Path, TraceLeakError, format_path
 from meshlift.static_changes import StaticValues
 
 
@@ -266,6 +266,17 @@ class PureFunction:
             statics.restore()
             raise
         if changed_in_place := statics.changed():  # kept or undone by the call in progress
+            leak = statics.tracer_in(changed_in_place)
+            if leak is not None:
+                statics.restore()
+                raise TraceLeakError(
+                    f"{self.__name__} stored a traced value at `{self._caller_path(leak)}`, in "
+                    f"a static value (an object that is not a Variable or a module): it is no "
+                    f"output of the staged function, so after the call it would be a leaked "
+                    f"tracer (JAX's UnexpectedTracerError where it is read). It was undone. "
+                    f"Keep it in a Variable on a module (`m.cache = nnx.Variable(x)`), or "
+                    f"return it."
+                )
             static_changes.record(statics, tuple(map(self._caller_path, changed_in_place)))
 
         ref_index, new_values, update = rebuilt.changes(

@@ -80,6 +80,16 @@ class StaticValues:
             if fingerprint(value, typed=False) != before
         ]
 
+    def tracer_in(self, paths: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+        """The path (below the nodes) of a tracer that the values at `paths` now hold (in a
+        container, an attribute, a Variable), or None: kept after the trace, it would leak."""
+        values = dict((path, value) for path, value, _ in self._values)
+        for path in paths:
+            found = _tracer_below(values[path])
+            if found is not None:
+                return (*path, *found)
+        return None
+
     def restore(self) -> bool:
         """Put back what every object held; False if some change could not be undone."""
         for obj, contents in self._copies:
@@ -138,6 +148,28 @@ def end(token: contextvars.Token, keep: bool) -> tuple[str, ...]:
         if not values.restore():
             stuck += paths
     return tuple(stuck)
+
+
+def _tracer_below(value: Any) -> tuple[Any, ...] | None:
+    """The keys from `value` down to a tracer it holds, or None."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    seen: set[int] = set()
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, jax.core.Tracer):
+            return path
+        if isinstance(obj, _unchanging()) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, nnx.Variable):
+            stack += [(leaf, path) for leaf in jax.tree.leaves(obj.get_raw_value())]
+        elif isinstance(obj, dict):
+            stack += [(v, (*path, k)) for k, v in obj.items()]
+        elif isinstance(obj, list | tuple | set | frozenset | collections.deque):
+            stack += [(v, (*path, i)) for i, v in enumerate(obj)]
+        elif isinstance(getattr(obj, "__dict__", None), dict) and not callable(obj):
+            stack += [(v, (*path, k)) for k, v in vars(obj).items()]
+    return None
 
 
 def _static_values(nodes: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], Any]]:
