@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import sys
 import time
 import warnings
 from collections import Counter
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(
                     f"{backend} {plan} {mesh_name}: {agree} agree, {differ} differ", highlight=False
                 )
+                sys.stdout.flush()  # a line per run as it ends, also when piped
     console.print(table)
     console.print(
         "cases that agree, by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
