@@ -61,9 +61,26 @@ def explain(layout: Any, error: BaseException, call: Any) -> None:
         problem = _plan_problem(layout, call, check_output=trace == RETURNED)
         if problem is not None:
             raise problem from error
-    for note in (names_note(layout, str(error)), axis_types_note(layout.mesh, str(error))):
+    message = str(error)
+    notes = (names_note(layout, message), axis_types_note(layout.mesh, message))
+    for note in (*notes, manual_axes_note(layout.names, message)):
         if note:
             error.add_note(note)
+
+
+def manual_axes_note(names: Any, message: str) -> str | None:
+    """What to change where JAX refused to leave shard_map's manual axes inside the function
+    (flax's `nnx.Embed` called with `out_sharding=` does: `nnx.shard_map` fails alike)."""
+    if "Going from `Manual` AxisType" not in message:
+        return None
+    return (
+        f"meshlift: a call inside {names.function} switches every mesh axis to Auto or "
+        f"Explicit (`jax.sharding.auto_axes` without `axes=`), and under shard_map some axes "
+        f"are Manual: JAX refuses that, under `nnx.shard_map` too. flax's `nnx.Embed(...)("
+        f"ids, out_sharding=...)` is such a call: look the rows up with "
+        f"`embed.embedding[...].at[ids].get(out_sharding=...)` instead, or call it without "
+        f"`out_sharding=`, or run the step under `ml.jit`."
+    )
 
 
 def axis_types_note(mesh: Any, message: str) -> str | None:
