@@ -129,8 +129,9 @@ class Lifted(Generic[Params, Result]):
                 f"{type(mesh).__name__}: {mesh!r}; make one with `ml.make_mesh({shape})`"
             )
         functools.update_wrapper(self, fun)
-        self._made_with = (fun, backend, in_specs, out_specs, mesh, static_argnums)
-        self._made_with += (static_argnames, donate_argnums, donate_argnames, options)
+        self._made_with: tuple[Any, ...] = (fun, backend, in_specs, out_specs, mesh)
+        self._made_with += (static_argnums, static_argnames, donate_argnums, donate_argnames)
+        self._made_with += (options,)
         self.backend = get_backend(backend)
         options = dict(options or {})
         self.specs = _checked_specs(self.backend, in_specs, out_specs, options)

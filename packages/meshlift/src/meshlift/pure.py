@@ -326,7 +326,7 @@ class PureFunction:
 
     def _caller_path(self, path: Path) -> str:
         """A path below the graph nodes (node position first) in the caller's names."""
-        return format_path((self.names[path[0]], *path[1:]))  # type: ignore[index]
+        return format_path((self.names[path[0]], *path[1:]))  # type: ignore[call-overload]
 
 
 class _LastTrace(threading.local):

@@ -103,7 +103,7 @@ def train_step(model: Any, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array)
 def _value_step(model: Any, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
     """The train step of optimizers that read the loss (`polyak_sgd`) and the loss as a
     function of the parameters (`lbfgs`'s line search)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
     def loss_of(p: Any) -> jax.Array:
         return _mse(nnx.merge(graphdef, p, rest), x, y)
