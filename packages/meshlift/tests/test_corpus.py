@@ -12,6 +12,7 @@ that it lacks.
 import functools
 import inspect
 import re
+import warnings
 
 import jax
 import optax
@@ -100,3 +101,15 @@ def test_every_nnx_layer_is_in_the_corpus_with_its_modes():
     for stateful in ("BatchNorm", "Dropout", "MultiHeadAttention", "SpectralNorm"):
         assert {f"{stateful} train", f"{stateful} eval"} <= set(objects.LAYERS)
     assert "MultiHeadAttention decode" in objects.LAYERS  # init_cache, then one token a call
+
+
+def test_the_corpus_command_prints_a_table_of_runs(capsys):
+    from meshlift.testing.corpus.__main__ import main
+
+    with warnings.catch_warnings():
+        code = main(["--backend", "jit", "--case", "TrainState", "--mesh", "auto"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "1 library objects against nnx.jit, on a 2x4 mesh" in out
+    for plan in ("metadata", "get_sharding", "get_partition_spec"):
+        assert re.search(rf"│ jit\s+│ {plan}\s+│ auto\s+│\s+1 │\s+0 │\s+0 │", out), out
