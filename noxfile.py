@@ -53,9 +53,14 @@ def run_pytest(session: nox.Session, *paths: str) -> None:
 
 
 # flax's tree mode switched on globally, as a user (or a later flax) may do: meshlift must
-# keep graph-mode semantics regardless.
+# keep graph-mode semantics regardless. (The ecosystem corpus runs once, in graph mode: its
+# references are flax's own transforms, whose semantics the global mode changes.)
 TREE_MODE_ENV = XLA_ENV | {"NNX_GRAPH_MODE": "false"}
-TREE_MODE_SUITES = [f"{PACKAGES['core']}/tests", f"{PACKAGES['jit']}/tests"]
+TREE_MODE_SUITES = [
+    f"{PACKAGES['core']}/tests",
+    f"{PACKAGES['jit']}/tests",
+    f"--ignore={PACKAGES['core']}/tests/test_corpus.py",
+]
 
 
 @nox.session

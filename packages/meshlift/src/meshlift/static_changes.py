@@ -133,15 +133,18 @@ def record(values: StaticValues, paths: tuple[str, ...]) -> None:
 
 def pending() -> tuple[str, ...]:
     """The paths changed in place by the traces of the call in progress so far."""
-    return tuple(path for _, paths in _TRACED.get() or () for path in paths)
+    traced = _TRACED.get()
+    if not traced:  # every call asks: no trace, or none that changed anything
+        return ()
+    return tuple(path for _, paths in traced for path in paths)
 
 
 def end(token: contextvars.Token, keep: bool) -> tuple[str, ...]:
     """Stop collecting; undo every change unless `keep`. The paths that could not be
     undone (none if `keep`)."""
-    traced = _TRACED.get() or []
+    traced = _TRACED.get()
     _TRACED.reset(token)
-    if keep:
+    if keep or not traced:
         return ()
     stuck: list[str] = []
     for values, paths in reversed(traced):  # the earliest snapshot is put back last
