@@ -326,7 +326,8 @@ def plan_models(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_plan_lists_the_non_divisible_parameter(plan_models, capsys):
+def test_plan_lists_the_non_divisible_parameter(plan_models, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # 80 columns fold the spec at its space
     assert main(["plan", "plan_models_cli:make_nnx", "--mesh", "data=2,model=4"]) == 1
     out = capsys.readouterr().out
     assert "kernel" in out and "P(None, 'model')" in out and "not divisible by 4" in out

@@ -27,8 +27,9 @@ assert kernel.resolve([("hidden", "model")])[0] == P("embed", "model")  # `embed
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
-from typing import Any
+import difflib
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -37,8 +38,16 @@ from flax.nnx import graphlib
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshlift.graph import variable_paths
-from meshlift.logical import UNASSIGNED, SkippedRule, assign, check_rules, current_rules
+from meshlift.logical import (
+    UNASSIGNED,
+    MeshAxes,
+    SkippedRule,
+    assign,
+    check_rules,
+    current_rules,
+)
 from meshlift.paths import PlanError, format_path, key_name
+from meshlift.specs import did_you_mean
 
 Path = tuple[Hashable, ...]
 
@@ -90,8 +99,15 @@ class Annotated:
         either way). Logical names need rules: without any, a PlanError (or,
         without `require_rules`, the names themselves, as flax's `get_partition_spec`).
         """
+        decision = self.decide(rules, mesh, require_rules=require_rules)
+        return decision.spec, decision.skipped
+
+    def decide(
+        self, rules: Any = None, mesh: Any = None, *, require_rules: bool = True
+    ) -> Decision:
+        """`resolve`'s spec and skipped rules, and per dimension what decided its entry."""
         if self.names is None:
-            return PartitionSpec(), []
+            return Decision(PartitionSpec(), [], (), by_rules=False)
         effective = () if self.kind == "mesh" else effective_rules(rules, self.rules)
         if not effective:
             if self.kind == "logical" and require_rules:
@@ -101,7 +117,8 @@ class Annotated:
                     f"rules=, or wrap the call in `with ml.axis_rules([('hidden', 'model'), "
                     f"...]):`"
                 )
-            return PartitionSpec(*self.names), []
+            written = tuple(_annotation_cause(name) for name in self.names)
+            return Decision(PartitionSpec(*self.names), [], written, by_rules=False)
         # flax NNX: a name no rule names is a mesh axis; one whose rules could not apply
         # (skipped, or its axes taken by another dimension) is replicated, as in linen
         logical = {name for name, _ in effective} if self.kind == "nnx" else set(self.names)
@@ -112,13 +129,57 @@ class Annotated:
             for axis in (entry if isinstance(entry, tuple) else (entry,))
             if isinstance(axis, str)
         )
-        assigned, skipped = assign(self.names, effective, mesh, literal)
-        return PartitionSpec(
+        assigned = assign(self.names, effective, mesh, literal)
+        rule_names = [name for name, _ in effective]
+        causes: list[str] = []
+        for dim, name in enumerate(self.names):
+            if not isinstance(name, str) or name not in logical:
+                nnx_axis = isinstance(name, str) and self.kind == "nnx"
+                causes.append(
+                    _annotation_cause(name)
+                    + (" (no rule's name, so flax NNX reads a mesh axis)" if nnx_axis else "")
+                )
+            elif assigned.given_by[dim] is not None:
+                rule = assigned.given_by[dim]
+                replicated = rule is not None and rule[1] is None
+                causes.append(
+                    f"the rule {rule!r} maps it to no mesh axis"
+                    if replicated
+                    else f"by the rule {rule!r}"
+                )
+            elif assigned.passed_over[dim]:
+                causes.append("; ".join(assigned.passed_over[dim]))
+            else:
+                causes.append(
+                    f"no rule names the logical name {name!r} ({did_you_mean(name, rule_names)}"
+                    f"the rules name {', '.join(map(repr, dict.fromkeys(rule_names)))})"
+                )
+        spec = PartitionSpec(
             *(
                 (None if name in logical else name) if axes is UNASSIGNED else axes
-                for name, axes in zip(self.names, assigned, strict=True)
+                for name, axes in zip(self.names, assigned.axes, strict=True)
             )
-        ), skipped
+        )
+        return Decision(spec, assigned.skipped, tuple(causes), by_rules=bool(logical))
+
+
+class Decision(NamedTuple):
+    """`Annotated.decide`: the mesh spec, the rules skipped because the mesh lacks their
+    axes, per dimension what decided its entry (`"by the rule ('mlp', 'model')"`), and
+    whether rules read some of its names as logical ones."""
+
+    spec: PartitionSpec
+    skipped: list[SkippedRule]
+    causes: tuple[str, ...]
+    by_rules: bool
+
+
+def _annotation_cause(entry: Any) -> str:
+    if entry is None:
+        return "the annotation has None there"
+    if entry is PartitionSpec.UNCONSTRAINED:
+        return "the annotation leaves it to the compiler (UNCONSTRAINED)"
+    return "as the annotation names it"
 
 
 def effective_rules(explicit: Any, local: Any) -> tuple[tuple[str, Any], ...]:
@@ -202,6 +263,69 @@ def annotated_leaves(tree: Any) -> list[Annotated]:
                     within = tuple(key_name(k) for k in keys)
                     out.append(Annotated(path, array, leaf, within=within, **box_annotation(leaf)))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class UnusedRule:
+    """An axis rule whose logical name no parameter has, while a name close to it has no rule.
+
+    Most likely a typo (`("mpl", "model")` for a model that says `mlp`): the
+    parameters named `near` are less sharded than the rule meant. `str()` says so.
+    """
+
+    rule: tuple[str, MeshAxes]
+    near: tuple[str, ...]
+
+    def __str__(self) -> str:
+        near = " or ".join(map(repr, self.near))
+        return (
+            f"axis rule {self.rule!r} names the logical name {self.rule[0]!r}, which no "
+            f"parameter has (did you mean {near}? no rule names it), so the rule does nothing"
+        )
+
+
+def unused_rules(
+    rules: tuple[tuple[str, MeshAxes], ...], used: Mapping[str, Sequence[str]]
+) -> tuple[dict[UnusedRule, list[str]], list[str]]:
+    """The rules whose name no parameter has: those like a typo, with the parameters left
+    less sharded, and the names of the others (activations' names, for
+    `ml.with_logical_constraint`, are named by no parameter: not an error).
+
+    `used` maps each logical name the parameters have to their paths.
+    """
+    named = {name for name, _ in rules}
+    unmapped = [name for name in used if name not in named]
+    typos: dict[UnusedRule, list[str]] = {}
+    others: list[str] = []
+    for name, axes in rules:
+        if name in used:
+            continue
+        near = tuple(difflib.get_close_matches(name, unmapped, n=2, cutoff=0.6))
+        if near:
+            paths = [path for n in near for path in used[n]]
+            typos.setdefault(UnusedRule((name, axes), near), []).extend(paths)
+        elif name not in others:
+            others.append(name)
+    return typos, others
+
+
+def unused_rules_of(
+    items: list[Annotated], rules: Any, mesh: Any = None
+) -> tuple[dict[UnusedRule, list[str]], list[str]]:
+    """The axis rules (`rules`, else those in context) whose name none of `items` has: those
+    like a typo of a name with no rule, with the parameters' paths, and the other names
+    (`logical.unused_rules`). A mesh axis the mesh has is not a name that needs a rule."""
+    outer = check_rules(rules) if rules is not None else current_rules() or ()
+    axes = set(mesh if isinstance(mesh, Mapping) else getattr(mesh, "shape", ()))
+    used: dict[str, list[str]] = {}
+    for item in items:
+        if item.kind == "mesh" or item.names is None:
+            continue
+        own = {name for name, _ in item.rules or ()}
+        for name in item.names:
+            if isinstance(name, str) and name not in own and name not in axes:
+                used.setdefault(name, []).append(f"`{format_path(item.path)}`")
+    return unused_rules(outer, used)
 
 
 def _is_array(value: Any) -> bool:

@@ -7,6 +7,7 @@ meshlift backends --check    # import each plugin: capabilities, and plugins tha
 meshlift backends --json
 meshlift plan mypkg.models:make_model --mesh data=2,model=4 [--rules rules.json] [--json]
 meshlift plan mypkg.models:make_model --mesh data=2,model=4 --show layers.0.kernel
+meshlift plan mypkg.models:make_model --mesh data=2,model=4 --why layers.0.kernel
 meshlift demo --help         # the demo's own options
 ```
 
@@ -29,6 +30,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from rich.console import Console
 
 from meshlift import cli_inputs
@@ -66,7 +69,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
     if args.command == "backends":
         return _backends(as_json=args.json, check=args.check)
     if args.command == "plan":
-        return _plan(args.target, args.mesh, args.rules, as_json=args.json, show=args.show or [])
+        return _plan(
+            args.target,
+            args.mesh,
+            args.rules,
+            as_json=args.json,
+            show=args.show or [],
+            why=args.why or [],
+        )
     return _demo(rest[1:] if rest[:1] == ["--"] else rest)
 
 
@@ -156,6 +166,11 @@ def _parser() -> argparse.ArgumentParser:
                 "and a picture: which devices hold which block of that parameter (repeatable)",
             ),
             (
+                "meshlift plan mymodels:make_mlp --mesh data=2,model=4 --why layers.0.kernel",
+                "and why that parameter has its spec: the filter, rule or annotation that "
+                "decided it, and per dimension why it is split or not (repeatable)",
+            ),
+            (
                 "meshlift plan mymodels:make_mlp --mesh data=2,model=4 --json",
                 "the table as JSON (with --show: each block and its device ids too)",
             ),
@@ -172,12 +187,27 @@ def _parser() -> argparse.ArgumentParser:
         help="draw the device layout of the parameter at PATH, e.g. layers.0.kernel "
         "(as the table writes it; may be given more than once)",
     )
+    plan.add_argument(
+        "--why",
+        metavar="PATH",
+        action="append",
+        help="say what decided the spec of the parameter at PATH and why each dimension is "
+        "split or not (may be given more than once)",
+    )
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 
 
 # -- plan -----------------------------------------------------------------------------------
-def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool, show: list[str]) -> int:
+def _plan(
+    target: str,
+    mesh: str,
+    rules_file: str | None,
+    *,
+    as_json: bool,
+    show: list[str],
+    why: list[str],
+) -> int:
     mesh_shape = cli_inputs.mesh_shape(mesh)
     rules = None if rules_file is None else cli_inputs.rules(rules_file)
     if show:
@@ -208,10 +238,13 @@ def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool, show
             "linen's model.init(...)",
         )
     layouts = [_layout(report, path) for path in show]  # every mistake before any output
+    reasons = [_why(report, path) for path in why]
     if as_json:
         data = report.to_dict()
         if layouts:
             data["layouts"] = [layout.to_dict() for layout in layouts]
+        if reasons:
+            data["why"] = reasons
         print(json.dumps(data, indent=2))
     else:
         console = _console()
@@ -219,6 +252,9 @@ def _plan(target: str, mesh: str, rules_file: str | None, *, as_json: bool, show
         for layout in layouts:
             console.print()
             console.print(layout)
+        for reason in reasons:
+            console.print()
+            console.print(reason, soft_wrap=True)
     if names:
         print(f"hint: {_rules_hint(names, mesh_shape)}", file=sys.stderr)
     return 0 if report.ok else 1
@@ -280,6 +316,16 @@ def _simulate_devices(mesh_shape: dict[str, int]) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={needed}".strip()
 
 
+def _why(report: Any, path: str) -> str:
+    try:
+        return str(report.why(path))
+    except LookupError as error:
+        raise UserError(
+            f"--why {path!r}: {error}",
+            "write a path as the table's first column shows it, e.g. --why " + report.rows[0].path,
+        ) from None
+
+
 def _layout(report: Any, path: str) -> Any:
     from meshlift.paths import PlanError
 
@@ -309,14 +355,22 @@ def _console() -> Console:
     return Console(markup=False, highlight=False)
 
 
-def _table(*headers: str) -> Any:
-    """A rich table whose cells fold onto more lines in a narrow terminal, never cut with "…"."""
+def _print_table(
+    console: Console, headers: tuple[str, ...], rows: Sequence[tuple[str, ...]]
+) -> None:
+    """A rich table whose cells fold onto more lines in a narrow terminal, only between words
+    (after `.`, `-`, `,` or a space), never cut with "…"."""
     from rich.table import Table
+
+    from meshlift.tables import Breakable, fit_columns
 
     table = Table(*headers)
     for column in table.columns:
         column.overflow = "fold"
-    return table
+    for row in rows:
+        table.add_row(*map(Breakable, row))
+    fit_columns(table, console.width)
+    console.print(table)
 
 
 # -- backends and --version -----------------------------------------------------------------
@@ -336,12 +390,12 @@ def _backends(*, as_json: bool, check: bool) -> int:
 
     console = _console()
     if installed.backends:
-        table = _table("name", "distribution", "version", "capabilities", "description")
-        for b in installed:
-            table.add_row(
-                b.name, b.distribution or "-", b.version, ", ".join(b.capabilities), b.description
-            )
-        console.print(table)
+        rows = [
+            (b.name, b.distribution or "-", b.version, ", ".join(b.capabilities), b.description)
+            for b in installed
+        ]
+        headers = ("name", "distribution", "version", "capabilities", "description")
+        _print_table(console, headers, rows)
     else:
         console.print("No backends installed. Try: pip install meshlift-jit")
     if installed.errors:
@@ -390,10 +444,9 @@ def _listed_backends() -> int:
         )
     console = _console()
     if rows:
-        table = _table("plugin", "distribution", "version", "summary")
-        for row in sorted(rows.values()):
-            table.add_row(*row)
-        console.print(table)
+        _print_table(
+            console, ("plugin", "distribution", "version", "summary"), sorted(rows.values())
+        )
         console.print(
             "Read from the packages' metadata. meshlift backends --check imports the plugins: "
             "their capabilities, and any that fails to load."

@@ -26,6 +26,7 @@ report.show("kernel")       # a picture: which devices hold which block of the k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import io
@@ -35,17 +36,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
 from meshlift import resolve
-from meshlift.annotation import annotated_leaves
+from meshlift.annotation import annotated_leaves, unused_rules_of
 from meshlift.blocks import Blocks, mesh_of_devices, spec_entry
 from meshlift.mesh import current_mesh
 from meshlift.paths import PlanError, format_path
 from meshlift.sharding import Spec, StateSharding, as_plan
 from meshlift.specs import spec_axes
+from meshlift.tables import Breakable, fit_columns
+from meshlift.why import Why, of_annotation, of_filter
 
 if TYPE_CHECKING:
     from meshlift.logical import Rules
@@ -67,6 +70,7 @@ class Row:
         bytes_per_device: The size of one block.
         problems: What keeps the spec from fitting the array and the mesh; empty if none.
         own_mesh: The mesh of the `NamedSharding` the plan gives, if it gives one.
+        why: What decided the spec, and why each dimension is split or not.
     """
 
     path: str
@@ -79,6 +83,7 @@ class Row:
     problems: tuple[str, ...] = ()
     #: The mesh of the NamedSharding the plan gives, where it gives one (`layout` draws on it).
     own_mesh: Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
+    why: Why = dataclasses.field(default=Why("none", ""), compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,39 @@ class Explanation:
             + (f"did you mean {' or '.join(near)}?" if near else f"its paths are {_few(paths)}")
         )
 
+    def why(self, path: str) -> str:
+        """What decided the spec of the parameter at `path`, and why each dimension is split
+        or not: the filter, rules or annotation, and per dimension the reason.
+
+        Args:
+            path: A parameter's dotted path, or the end of one (as for `row`).
+
+        Returns:
+            A few lines of text: the parameter, what decided its spec, one line per
+                dimension, and notes (a later filter that matches too, a rule that does
+                nothing, a problem).
+
+        Raises:
+            LookupError: If no single parameter has that path.
+
+        Example:
+
+        ```python
+        init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        model = nnx.Linear(16, 64, kernel_init=init, rngs=nnx.Rngs(0))
+        report = ml.explain(model, [("embed", None), ("mpl", "model")], {"data": 2, "model": 4})
+        print(report.why("kernel"))   # dim 1 (size 64): not split, no rule names 'mlp' ...
+        ```
+        """
+        row = self.row(path)
+        spec = "left to the compiler" if row.spec is None else str(row.spec)
+        lines = [
+            f"{row.path}: shape {row.shape} {row.dtype}, {spec}, on mesh {self.mesh_shape}",
+            str(row.why),
+        ]
+        lines += [f"problem: {p}" for p in row.problems]
+        return "\n".join(lines)
+
     def layout(self, path: str) -> Blocks:
         """Which devices hold which block of the parameter at `path`; prints as a picture.
 
@@ -247,6 +285,12 @@ class Explanation:
                     "bytes": r.bytes,
                     "bytes_per_device": r.bytes_per_device,
                     "problems": list(r.problems),
+                    "source": r.why.source,
+                    "why": {
+                        "decided_by": r.why.decided_by,
+                        "dimensions": list(r.why.dimensions),
+                        "notes": list(r.why.notes),
+                    },
                 }
                 for r in self.rows
             ],
@@ -256,28 +300,30 @@ class Explanation:
             "problems": [{"path": path, "problem": p} for path, p in self.problems],
         }
 
-    def __rich__(self) -> Group:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self._rendered(options.max_width)
+
+    def _rendered(self, width: int) -> Group:
         devices = math.prod(self.mesh_shape.values())
         table = Table(
             "path",
-            "shape",
-            "dtype",
+            "array",
             "spec",
-            "shards",
-            "bytes/device",
+            "source",
+            "per device",
             title=f"plan on mesh {self.mesh_shape} ({devices} devices)",
         )
         for column in table.columns:  # a narrow terminal folds long cells, never cuts them
             column.overflow = "fold"
         for r in self.rows:
             table.add_row(
-                Text(("✗ " if r.problems else "") + r.path, style="red" if r.problems else ""),
-                str(r.shape),
-                r.dtype,
-                "auto" if r.spec is None else str(r.spec),
-                str(r.shards),
+                Breakable(("✗ " if r.problems else "") + r.path, "red" if r.problems else ""),
+                Breakable(_short_type(r.dtype, r.shape)),
+                Breakable("auto" if r.spec is None else str(r.spec)),
+                r.why.source,
                 _size(r.bytes_per_device),
             )
+        fit_columns(table, width)
         ratio = self.total_bytes / self.bytes_per_device if self.bytes_per_device else 1.0
         lines = [
             Text(
@@ -345,14 +391,32 @@ def explain(
     concrete = mesh if isinstance(mesh, Mesh) else current_mesh() if mesh is None else None
     items = annotated_leaves(model_or_tree)
     plan, rules = _plan_and_rules(plan_or_rules)
-    matched: set[int] = set()
-    rows, notes = [], []
-    for item in items:
+    unused: dict[Any, list[str]] = {}
+    notes: list[str] = []
+    if plan is None:
+        typos, names = unused_rules_of(items, rules, mesh_shape)
+        for rule, paths in typos.items():
+            for where in paths:
+                unused.setdefault(where, []).append(
+                    f"{rule}; it is less sharded than the rule asks"
+                )
+        if names:
+            notes.append(
+                f"the rules name {', '.join(map(repr, names))}, which no parameter has: fine "
+                f"for activations (ml.with_logical_constraint), else check the names"
+            )
+    matched = _matched(plan, items)
+    placements = [_placed(item, plan, rules, mesh_shape, matched) for item in items]
+    rows = []
+    for item, (placed, own_mesh, why) in zip(items, placements, strict=True):
         path = format_path(item.array_path)
-        placed, own_mesh = _placed(item, plan, rules, mesh_shape, matched)
         if placed.mesh_shape != mesh_shape:
             notes.append(f"`{path}` is placed on its NamedSharding's mesh, {placed.mesh_shape}")
-        rows.append(_row(path, item, placed, own_mesh))
+        if f"`{format_path(item.path)}`" in unused:
+            placed = dataclasses.replace(
+                placed, problems=(*placed.problems, *unused[f"`{format_path(item.path)}`"])
+            )
+        rows.append(_row(path, item, placed, own_mesh, why))
     return Explanation(
         mesh_shape,
         tuple(rows),
@@ -363,21 +427,32 @@ def explain(
 
 def _placed(
     item: Any, plan: StateSharding | None, rules: Any, mesh_shape: dict[str, int], matched: set
-) -> tuple[resolve.Placement, Mesh | None]:
-    """How a call places `item` (the rule it takes, or the error it raises), and the mesh
-    of the NamedSharding it is given, if any. The plan's rules that match go in `matched`."""
+) -> tuple[resolve.Placement, Mesh | None, Why]:
+    """How a call places `item` (the rule it takes, or the error it raises), the mesh of
+    the NamedSharding it is given, if any, and why. `matched`: the plan's rules that match
+    any parameter."""
     spec: Spec
     skipped: list[Any] = []
     try:
         if plan is None:
-            spec, skipped = item.resolve(rules, mesh_shape)
+            decision = item.decide(rules, mesh_shape)
+            spec, skipped = decision.spec, decision.skipped
+            why = of_annotation(
+                item.names,
+                decision.by_rules,
+                decision.spec,
+                decision.causes,
+                item.shape,
+                mesh_shape,
+            )
         else:
             index = plan.rule_for(item.path, item.holder)
-            matched.add(index)
             spec = plan.rules[index][2]
+            why = of_filter(plan, index, item.path, item.holder, item.shape, mesh_shape, matched)
     except PlanError as error:
         problem = str(error) if plan is not None else needs_rules(item, mesh_shape)
-        return resolve.Placement(PartitionSpec(), mesh_shape, (problem,)), None
+        placed = resolve.Placement(PartitionSpec(), mesh_shape, (problem,))
+        return placed, None, Why("error", "nothing: the parameter has a problem (below)")
     own = spec.mesh if isinstance(spec, NamedSharding) else None
     placed = resolve.placement(spec, mesh_shape, item.shape)
     if skipped:  # a rule naming an axis the mesh lacks: a typo, or rules for another mesh
@@ -388,7 +463,18 @@ def _placed(
                 *placed.problems,
             ),
         )
-    return placed, own if isinstance(own, Mesh) else None
+    return placed, own if isinstance(own, Mesh) else None, why
+
+
+def _matched(plan: StateSharding | None, items: list[Any]) -> set[int]:
+    """The indices of the plan's rules that match some parameter."""
+    matched: set[int] = set()
+    if plan is None:
+        return matched
+    for item in items:
+        with contextlib.suppress(PlanError):
+            matched.add(plan.rule_for(item.path, item.holder))
+    return matched
 
 
 def needs_rules(item: Any, mesh_shape: Mapping[str, int]) -> str:
@@ -403,7 +489,7 @@ def needs_rules(item: Any, mesh_shape: Mapping[str, int]) -> str:
     )
 
 
-def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None) -> Row:
+def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None, why: Why) -> Row:
     spec, mesh_shape, problems = placed.spec, placed.mesh_shape, placed.problems
     shape = item.shape
     dtype = _dtype(item.value)
@@ -428,6 +514,7 @@ def _row(path: str, item: Any, placed: resolve.Placement, own_mesh: Mesh | None)
         per_device,
         tuple(dict.fromkeys(problems)),
         own_mesh,
+        why,
     )
 
 
@@ -488,6 +575,12 @@ def _mesh_shape(mesh: Any) -> dict[str, int]:
             "call it inside `with ml.use_mesh(mesh):`"
         )
     return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+
+
+def _short_type(dtype: str, shape: tuple[int, ...]) -> str:
+    """An array's type as jax writes it in a jaxpr: `f32[16,64]`, `bf16[]`."""
+    short = dtype.replace("float", "f").replace("uint", "u").replace("int", "i")
+    return f"{short.replace('complex', 'c')}[{','.join(map(str, shape))}]"
 
 
 def _size(n: int) -> str:

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias, overload
+from typing import Any, NamedTuple, TypeAlias, overload
 
 import jax
 from flax.core import spmd as flax_spmd
@@ -44,6 +43,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift.mesh import current_mesh
 from meshlift.paths import PlanError, user_stacklevel
+from meshlift.specs import did_you_mean
 
 MeshAxes: TypeAlias = str | tuple[str, ...] | None  # or PartitionSpec.UNCONSTRAINED
 Rules: TypeAlias = Sequence[tuple[str, MeshAxes]]
@@ -178,10 +178,11 @@ def _mesh_shape(mesh: Any) -> dict[str, int] | None:
 
 
 class AxisRuleWarning(UserWarning):
-    """An axis rule was skipped because the mesh lacks one of its axes.
+    """An axis rule was skipped because the mesh lacks one of its axes, or does nothing
+    because no parameter has its logical name while a name close to it has no rule.
 
-    A typo in a rule (`("mlp", "modle")`), or rules written for another mesh
-    too: either way some parameters are less sharded than the rule asks.
+    A typo in a rule (`("mlp", "modle")`, `("mpl", "model")`), or rules written for
+    another mesh: either way some parameters are less sharded than the rule asks.
     Silence it for rules shared across meshes with
     `warnings.filterwarnings("ignore", category=ml.AxisRuleWarning)`.
     """
@@ -200,9 +201,8 @@ class SkippedRule:
     mesh_shape: tuple[tuple[str, int], ...]
 
     def __str__(self) -> str:
-        axes = [name for name, _ in self.mesh_shape]
-        guess = difflib.get_close_matches(self.missing[0], axes, n=1)
-        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+        guess = did_you_mean(self.missing[0], (name for name, _ in self.mesh_shape))
+        hint = f" ({guess.strip()})" if guess else ""
         which = " and ".join(map(repr, self.missing))
         return (
             f"axis rule {self.rule!r} names the mesh axis {which}{hint}, which the mesh "
@@ -210,18 +210,19 @@ class SkippedRule:
         )
 
 
-def report_skipped(skipped: Mapping[SkippedRule, Sequence[str]], *, strict: bool) -> None:
-    """Say which rules were skipped and for what: an AxisRuleWarning, or with `strict` a PlanError.
+def report_skipped(skipped: Mapping[Any, Sequence[str]], *, strict: bool) -> None:
+    """Say which rules were skipped or do nothing, and for what: an AxisRuleWarning, or with
+    `strict` a PlanError.
 
-    `skipped` maps each skipped rule to what it was skipped for (parameter
-    paths or logical names, as the reader knows them).
+    `skipped` maps each rule (a `SkippedRule`, an `annotation.UnusedRule`) to what it was
+    skipped for (parameter paths or logical names, as the reader knows them).
     """
     if not skipped:
         return
     lines = [f"{rule} for {', '.join(dict.fromkeys(where))}" for rule, where in skipped.items()]
     message = "\n".join(lines) + "; these are less sharded than the rules ask. Fix the rule"
     if strict:
-        raise PlanError(message + " (strict=True makes a skipped rule an error).")
+        raise PlanError(message + " (strict=True makes such a rule an error).")
     warnings.warn(
         message + "; if the rules also serve a mesh that has this axis, filter "
         "ml.AxisRuleWarning, or pass strict=True to make this an error.",
@@ -301,13 +302,28 @@ def _to_mesh_axes(
     skipped: dict[SkippedRule, list[str]],
 ) -> PartitionSpec:
     """The spec of logical `names`; the rules the mesh made `assign` skip go in `skipped`."""
-    assigned, passed_over = assign(names, rules, mesh)
-    for rule in passed_over:
+    assigned = assign(names, rules, mesh)
+    for rule in assigned.skipped:
         skipped.setdefault(rule, []).append(f"the logical names {names}")
-    return PartitionSpec(*(None if a is UNASSIGNED else a for a in assigned))
+    return PartitionSpec(*(None if a is UNASSIGNED else a for a in assigned.axes))
 
 
 UNASSIGNED = object()  # a logical name no rule has given mesh axes to (yet)
+
+
+class Assignment(NamedTuple):
+    """What `assign` decided for each dimension of one array.
+
+    `axes`: its mesh axes, or `UNASSIGNED` for a name no rule fits; `skipped`: the
+    rules skipped because the mesh lacks their axes; `given_by`: the rule that gave
+    each dimension its axes (None: none did); `passed_over`: per dimension, why each
+    rule naming it did not apply (`ml.explain` says it).
+    """
+
+    axes: list[Any]
+    skipped: list[SkippedRule]
+    given_by: list[tuple[str, MeshAxes] | None]
+    passed_over: list[list[str]]
 
 
 def assign(
@@ -315,9 +331,8 @@ def assign(
     rules: tuple[tuple[str, MeshAxes], ...],
     mesh: Any,
     taken: tuple[str, ...] = (),
-) -> tuple[list[Any], list[SkippedRule]]:
-    """One entry per dimension (its mesh axes, or `UNASSIGNED` for a name no rule fits), and
-    the rules skipped because the mesh lacks their axes.
+) -> Assignment:
+    """The mesh axes of each dimension of an array whose dimensions have logical `names`.
 
     Entries that are not names (None, `PartitionSpec.UNCONSTRAINED`) are kept as they are.
     `taken` are mesh axes other dimensions already use (named as mesh axes), which no
@@ -334,23 +349,35 @@ def assign(
                 )
             seen.add(name)
     result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-    used: set[str] = set(taken)
+    owner: dict[str, str] = {axis: "the annotation, for another dimension" for axis in taken}
     mesh_shape = _mesh_shape(mesh)
     skipped: list[SkippedRule] = []
+    given_by: list[tuple[str, MeshAxes] | None] = [None] * len(names)
+    passed_over: list[list[str]] = [[] for _ in names]
     for name, axes in rules:
         if name not in seen:
             continue
         dim = names.index(name)
         wanted = _axes_of(axes)
-        if result[dim] is not UNASSIGNED or used.intersection(wanted):
+        if result[dim] is not UNASSIGNED:
+            continue
+        used = [a for a in wanted if a in owner]
+        if used:
+            passed_over[dim].append(
+                f"the rule {(name, axes)!r} is passed over: mesh axis {used[0]!r} is taken by "
+                f"{owner[used[0]]}"
+            )
             continue
         if mesh_shape is not None and not set(mesh_shape).issuperset(wanted):
             missing = tuple(a for a in wanted if a not in mesh_shape)
-            skipped.append(SkippedRule((name, axes), missing, tuple(mesh_shape.items())))
+            rule = SkippedRule((name, axes), missing, tuple(mesh_shape.items()))
+            skipped.append(rule)
+            passed_over[dim].append(str(rule))
             continue
         result[dim] = axes
-        used.update(wanted)
-    return result, skipped
+        given_by[dim] = (name, axes)
+        owner.update((a, f"the rule {(name, axes)!r}, for dimension {dim}") for a in wanted)
+    return Assignment(result, skipped, given_by, passed_over)
 
 
 def _is_logical_leaf(x: Any) -> bool:
@@ -502,7 +529,7 @@ def with_logical_constraint(
     def constrain(spec_names: Any, value: Any) -> Any:
         if spec_names is None:
             return value
-        assigned, passed_over = assign(tuple(spec_names), rules, context)
+        assigned, passed_over, _, _ = assign(tuple(spec_names), rules, context)
         report_skipped(
             {rule: [f"the logical names {tuple(spec_names)}"] for rule in passed_over}, strict=False
         )

@@ -43,9 +43,9 @@ from flax.nnx import graphlib, variablelib
 from flax.nnx import spmd as nnx_spmd
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from meshlift import compat
+from meshlift import annotation, compat
 from meshlift.annotation import Annotated, annotated_leaves, box_value, effective_rules, is_box
-from meshlift.logical import Rules, SkippedRule, check_rules, report_skipped
+from meshlift.logical import Rules, check_rules, report_skipped
 from meshlift.mesh import current_mesh
 from meshlift.paths import PlanError, format_path
 from meshlift.specs import spec_problems
@@ -370,15 +370,16 @@ def get_sharding(
     lacks, an axis used twice, too many entries, a dimension not divisible) is
     reported in one `ml.PlanError` with its path. `mesh` defaults to the
     one of `ml.use_mesh`. An axis rule skipped because the mesh lacks its
-    axes gives an `ml.AxisRuleWarning` naming the parameters (with
-    `strict=True`, a PlanError).
+    axes, or one whose logical name no parameter has while a name close to it
+    has no rule (a typo), gives an `ml.AxisRuleWarning` naming the parameters
+    (with `strict=True`, a PlanError).
 
     Args:
         tree: A module, `nnx.State`, linen variable dict, `TrainState` or abstract tree.
         mesh: The mesh; None: the one of `ml.use_mesh`.
         rules: Logical axis rules; None: those in context.
-        strict: Make a rule skipped for an axis the mesh lacks a `PlanError` instead of
-            an `ml.AxisRuleWarning`.
+        strict: Make a rule skipped for an axis the mesh lacks, or one that does nothing
+            for a typo, a `PlanError` instead of an `ml.AxisRuleWarning`.
 
     Returns:
         `tree` with a `NamedSharding` per array (an `nnx.State` for a module).
@@ -405,8 +406,9 @@ def get_sharding(
     if mesh is None:
         raise TypeError("get_sharding needs a mesh: pass one, or call inside ml.use_mesh(mesh)")
     problems: list[str] = []
-    skipped_for: dict[SkippedRule, list[str]] = {}
-    for item in annotated_leaves(tree):
+    items = annotated_leaves(tree)
+    skipped_for: dict[Any, list[str]] = {**annotation.unused_rules_of(items, rules, mesh)[0]}
+    for item in items:
         try:
             spec, skipped = item.resolve(rules, mesh)
         except PlanError as error:

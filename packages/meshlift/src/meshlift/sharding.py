@@ -25,8 +25,8 @@ from typing import Any, TypeAlias
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
-from meshlift.annotation import annotated_leaves
-from meshlift.logical import Rules, SkippedRule, report_skipped
+from meshlift.annotation import annotated_leaves, unused_rules_of
+from meshlift.logical import Rules, report_skipped
 from meshlift.paths import Path, PlanError, format_path
 
 Spec: TypeAlias = PartitionSpec | Sharding | None
@@ -266,7 +266,9 @@ class StateSharding:
         default those of `ml.axis_rules` / `nnx.logical_axis_rules`). With
         `mesh` (a Mesh or `{"data": 2, ...}`), a rule for axes the mesh lacks
         is skipped and an `ml.AxisRuleWarning` names it and the parameters
-        (with `strict=True`, a PlanError). Each parameter matches by the end of
+        (with `strict=True`, a PlanError); so is a rule whose logical name no
+        parameter has while a name close to it has no rule (a typo: `"mpl"`
+        for `"mlp"`). Each parameter matches by the end of
         its path, so the plan of a model also shards its optimizer state;
         unannotated arrays are replicated.
 
@@ -276,8 +278,8 @@ class StateSharding:
             rules: Logical axis rules; None: those in context.
             mesh: A mesh (or `{"data": 2, ...}`) to check the rules' axes against;
                 None: no check.
-            strict: Make a rule skipped for an axis the mesh lacks a `PlanError`
-                instead of an `ml.AxisRuleWarning`.
+            strict: Make a rule skipped for an axis the mesh lacks, or one that
+                does nothing for a typo, a `PlanError` instead of an `ml.AxisRuleWarning`.
 
         Returns:
             A plan with one rule per annotated parameter, the most specific path
@@ -311,9 +313,10 @@ class StateSharding:
         ```
         """
         pairs = []
-        skipped_for: dict[SkippedRule, list[str]] = {}
+        items = annotated_leaves(model_or_tree)
+        skipped_for: dict[Any, list[str]] = {**unused_rules_of(items, rules, mesh)[0]}
         seen: set[Path] = set()  # a Variable holding a pytree is met at each of its arrays
-        for item in annotated_leaves(model_or_tree):
+        for item in items:
             if item.names is None or not item.path or item.path in seen:
                 continue
             seen.add(item.path)

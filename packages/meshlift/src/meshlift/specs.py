@@ -13,8 +13,9 @@ assert "not divisible" in spec_problems(P("data"), (7, 3), {"data": 2})[0]
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
@@ -44,6 +45,13 @@ def repeats_an_axis(spec: PartitionSpec) -> bool:
     return len(set(axes)) < len(axes)
 
 
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """`"did you mean 'model'? "` for the name in `names` closest to a misspelled `name`;
+    empty if none is close."""
+    near = difflib.get_close_matches(name, list(names), n=1)
+    return f"did you mean {near[0]!r}? " if near else ""
+
+
 def spec_problems(
     spec: PartitionSpec,
     shape: Sequence[int] | None,
@@ -68,8 +76,9 @@ def spec_problems(
         for axis in axes:
             if axis not in mesh_shape:
                 problems.append(
-                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); did you "
-                    f"forget to declare the mesh? Use one of its axis names or a mesh that has it"
+                    f"mesh axis {axis!r} is not in the mesh (axes {list(mesh_shape)}); "
+                    f"{did_you_mean(axis, mesh_shape)}did you forget to declare the mesh? Use "
+                    f"one of its axis names or a mesh that has it"
                 )
             elif axis in seen:
                 problems.append(
