@@ -11,6 +11,8 @@ import warnings
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
@@ -370,3 +372,57 @@ def test_a_sharding_plan_given_as_named_shardings_says_so():
     assert dims(ml.explain(linear(None), plan, mesh), "kernel")[0] == (
         "dim 0 (size 16): split 2 ways over 'data', by the spec"
     )
+
+
+# -- every line agrees with the spec, for drawn names and rules ----------------------------
+REASONS = (
+    "by the rule",
+    "maps it to no mesh axis",
+    "no rule names the logical name",
+    "so the rule is skipped",
+    "is passed over",
+    "the annotation has None there",
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(["embed", "mlp", "heads", None]), min_size=2, max_size=2).filter(
+        lambda n: len({x for x in n if x}) == len([x for x in n if x])
+    ),
+    rules=st.lists(
+        st.tuples(
+            st.sampled_from(["embed", "mlp", "heads", "mpl", "batch"]),
+            st.sampled_from(["data", "model", "modle", None]),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    shape=st.tuples(st.sampled_from([4, 6, 8]), st.sampled_from([4, 6, 8])),
+)
+def test_each_dimension_line_agrees_with_the_spec_and_a_real_placement(names, rules, shape):
+    init = ml.with_logical_partitioning(nnx.initializers.lecun_normal(), tuple(names))
+    model = nnx.eval_shape(lambda: nnx.Linear(*shape, kernel_init=init, rngs=nnx.Rngs(0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ml.AxisRuleWarning)
+        report = ml.explain(model, rules, MESH)
+    row = report.row("kernel")
+    assert row.why.source == ("rules" if any(names) else "annotation")
+    entries = list(row.spec) + [None] * (2 - len(row.spec))
+    for dim, (line, entry) in enumerate(zip(row.why.dimensions, entries, strict=True)):
+        assert line.startswith(f"dim {dim} (size {shape[dim]}): ")
+        if entry is None:
+            assert "not split" in line and any(reason in line for reason in REASONS), line
+            continue
+        ways = MESH[entry]
+        divides = shape[dim] % ways == 0
+        assert (f"split {ways} ways over {entry!r}" in line) and (("✗" in line) != divides)
+        assert (
+            any(f"dimension {dim} (size {shape[dim]}) is not divisible" in p for p in row.problems)
+            != divides
+        )
+    if not row.problems:  # what a real placement does: the spec the row shows
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ml.AxisRuleWarning)
+            placed = ml.get_sharding(model, ml.make_mesh(MESH), rules)
+        assert placed["kernel"].get_value().spec == row.spec

@@ -160,7 +160,8 @@ class Annotated:
                 for name, axes in zip(self.names, assigned.axes, strict=True)
             )
         )
-        return Decision(spec, assigned.skipped, tuple(causes), by_rules=bool(logical))
+        by_rules = any(isinstance(name, str) and name in logical for name in self.names)
+        return Decision(spec, assigned.skipped, tuple(causes), by_rules)
 
 
 class Decision(NamedTuple):
