@@ -9,6 +9,10 @@ photographed whole into OUT/<page>.png and checked for
 - clipped code: a code block (a printed output too) wider than its box, so that the
   reader gets a scrollbar and does not see the end of its lines at 1280 px, or a
   table drawn in a block that wraps its lines, broken apart by the wrapping;
+- clipped tables: a table (markdown's, or mkdocstrings') wider than the box it scrolls
+  in (mkdocs-material wraps one in a scrolling div), so that the reader gets a
+  scrollbar and does not see its last columns at 1280 px; reported with its first
+  header cells;
 - no outputs: a guide page (not api/ or examples/) with python blocks and nothing
   shown of what they print (docs/hooks/outputs.py).
 
@@ -44,8 +48,24 @@ MEASURE = """() => {
     probe.remove();
     return over;
   };
+  // A table scrolls in its own box or in material's wrappers around it
+  // (.md-typeset__table inside .md-typeset__scrollwrap): any of them narrower than what
+  // it holds hides the table's last columns behind a scrollbar.
+  const tableHidden = (table) => {
+    const boxes = [table, table.closest(".md-typeset__table"), table.closest(".md-typeset__scrollwrap")];
+    return Math.max(...boxes.filter((b) => b).map((b) => b.scrollWidth - b.clientWidth));
+  };
+  const header = (table) => {
+    const cells = [...table.querySelectorAll("tr:first-child > th, tr:first-child > td")].slice(0, 3);
+    return cells.map((c) => c.textContent.trim().replace(/\s+/g, " ")).join(" | ");
+  };
   const blocks = [...document.querySelectorAll(".md-typeset pre > code")];
+  const tables = [...document.querySelectorAll(".md-typeset table")];
   return {
+    tables: tables.length,
+    clippedTables: tables
+      .map((t) => ({ header: header(t), hidden: tableHidden(t) }))
+      .filter((t) => t.hidden > 0),
     code: blocks.length,
     python: document.querySelectorAll(".md-typeset div.language-python").length,
     outputs: document.querySelectorAll(".md-typeset div.output, figure.output-picture").length,
@@ -72,6 +92,10 @@ def check(page, url: str, name: str, shot: Path) -> tuple[dict, list[str]]:
         f"{c['hidden']} px too wide at 1280 px: {c['line'][:80]!r}"
         for c in found["clipped"]
     ]
+    failures += [
+        f"{where}: a table scrolls, {t['hidden']} px too wide at 1280 px: {t['header'][:80]!r}"
+        for t in found["clippedTables"]
+    ]
     guide = not name.startswith(("api/", "examples/"))
     found["missing"] = guide and found["python"] and not found["outputs"]
     if found["missing"]:
@@ -80,7 +104,7 @@ def check(page, url: str, name: str, shot: Path) -> tuple[dict, list[str]]:
 
 
 def main(url: str, chromium: str, out: Path, names: list[str]) -> None:
-    table = Table("page", "code blocks", "outputs", "clipped", "screenshot")
+    table = Table("page", "code blocks", "tables", "outputs", "clipped", "screenshot")
     failures = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium)
@@ -92,10 +116,11 @@ def main(url: str, chromium: str, out: Path, names: list[str]) -> None:
             shot = out / f"{name.strip('/').replace('/', '-') or 'index'}.png"
             found, failed = check(page, url, name, shot)
             failures += failed
-            clipped = len(found["clipped"])
+            clipped = len(found["clipped"]) + len(found["clippedTables"])
             table.add_row(
                 name or "(home)",
                 str(found["code"]),
+                str(found["tables"]),
                 f"[red]{found['outputs']}" if found["missing"] else str(found["outputs"]),
                 f"[red]{clipped}" if clipped else "0",
                 str(shot),
