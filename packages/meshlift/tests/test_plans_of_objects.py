@@ -116,4 +116,5 @@ def test_a_plan_made_from_another_object_is_refused_naming_its_filters_and_the_p
         forward(other, jnp.ones((2, 8)))
     assert "annotation 'params.layer.kernel'" in str(error.value)
     assert "`m.layer.bias`, `m.layer.kernel`" in str(error.value)
+    assert "on mesh {'data': 2, 'model': 4}" in str(error.value)
     assert other.layer.kernel[...] is before  # nothing moved

@@ -226,7 +226,7 @@ class Layout:
             )
             for pos in self.dyn_pos
         }
-        use.check(what)
+        use.check(what, self.mesh)
         by_plan = tuple(pos for pos in self.dyn_pos if isinstance(prefix[pos], StateSharding))
         return var_shardings, dyn_shardings, by_plan
 

@@ -239,15 +239,17 @@ class PlanUse:
         seen.append(full)
         return index
 
-    def check(self, what: str) -> None:
-        """Raise for a plan that matched nothing; warn for each filter that matched nothing."""
+    def check(self, what: str, mesh: Any = None) -> None:
+        """Raise for a plan that matched nothing (naming the `mesh`); warn for each filter
+        that matched nothing."""
         for plan, matched, seen in self._plans.values():
             filters = [(i, f, spec) for i, (f, _, spec) in enumerate(plan.rules) if f is not ...]
             if plan.names_paths and matched.isdisjoint(i for i, _, _ in filters):
                 raise PlanError(
                     f"no filter of the plan in {what} matches anything it was given for (it "
                     f"saw {listing(seen)}; its filters are {[f for _, f, _ in filters]}), so "
-                    f"every array there would take the spec of `...` and be moved to it. "
+                    f"every array there would take the spec of `...` and be moved to it on "
+                    f"mesh {mesh_shape(mesh)}. "
                     f"Give the plan for the object it was made from (a plan from "
                     f"`StateSharding.from_metadata(state)` or `ml.get_sharding(state, mesh)` "
                     f"where `state` is passed), or match these paths"
