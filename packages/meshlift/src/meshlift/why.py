@@ -72,9 +72,10 @@ def of_filter(
 ) -> Why:
     """The `Why` of a parameter whose spec is the plan's rule `index`.
 
-    `matched` holds the rules that matched any parameter (so far), for the note on a
-    path filter that matches nothing but names something like this parameter.
+    `matched` holds the rules that match any parameter, for the note on a path filter
+    that matches nothing but names something like this parameter.
     """
+    path = (*plan.root, *path)  # as `rule_for` asks the filters
     filter_, _, spec = plan.rules[index]
     count = len(plan.rules)
     if filter_ is Ellipsis:
@@ -105,18 +106,18 @@ def of_filter(
             ("every dimension: left to the compiler (no spec)",),
             notes=tuple(notes),
         )
-    written = entries(spec)
-    causes = [
-        "by the spec"
-        if dim < len(written) and written[dim] is not None
-        else "the spec has None there"
-        if dim < len(written)
-        else f"the spec has {len(written)} entries, none for it"
-        if written
-        else f"the spec {spec} splits nothing"
-        for dim in range(len(shape))
-    ]
+    causes = [_spec_cause(spec, dim) for dim in range(len(shape))]
     return Why(source, decided, dimension_lines(spec, shape, mesh_shape, causes), tuple(notes))
+
+
+def _spec_cause(spec: PartitionSpec, dim: int) -> str:
+    """What a plan's spec says of dimension `dim`."""
+    written = entries(spec)
+    if not written:
+        return f"the spec {spec} splits nothing"
+    if dim >= len(written):
+        return f"the spec has {len(written)} entries, none for it"
+    return "the spec has None there" if written[dim] is None else "by the spec"
 
 
 def of_annotation(
