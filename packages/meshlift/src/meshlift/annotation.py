@@ -315,7 +315,7 @@ def unused_rules_of(
 ) -> tuple[dict[UnusedRule, list[str]], list[str]]:
     """The axis rules (`rules`, else those in context) whose name none of `items` has: those
     like a typo of a name with no rule, with the parameters' paths, and the other names
-    (`logical.unused_rules`). A mesh axis the mesh has is not a name that needs a rule."""
+    (`unused_rules`). A mesh axis the mesh has is not a name that needs a rule."""
     outer = check_rules(rules) if rules is not None else current_rules() or ()
     axes = set(mesh if isinstance(mesh, Mapping) else getattr(mesh, "shape", ()))
     used: dict[str, list[str]] = {}

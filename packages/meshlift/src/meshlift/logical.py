@@ -224,7 +224,7 @@ def report_skipped(skipped: Mapping[Any, Sequence[str]], *, strict: bool) -> Non
     if strict:
         raise PlanError(message + " (strict=True makes such a rule an error).")
     warnings.warn(
-        message + "; if the rules also serve a mesh that has this axis, filter "
+        message + "; if the rules also serve another mesh or model, filter "
         "ml.AxisRuleWarning, or pass strict=True to make this an error.",
         AxisRuleWarning,
         stacklevel=user_stacklevel(),
