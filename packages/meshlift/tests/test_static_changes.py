@@ -9,6 +9,7 @@ runs the same code eagerly (or under `nnx.jit`) as its reference.
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -180,3 +181,25 @@ def test_a_traced_value_stored_in_a_static_value_is_refused_naming_its_path():
     with pytest.raises(ml.TraceLeakError, match=r"stored a traced value at `m\.box\.cache`"):
         ml.jit(store)(model, jnp.ones(2))
     assert vars(model.box) == {}  # undone: nothing leaked
+
+
+def test_a_stored_tracer_is_refused_as_jax_refuses_reading_one():
+    """JAX raises UnexpectedTracerError where a leaked tracer is read; the refusal is one."""
+
+    class Box:
+        pass
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.box = Box()
+            self.w = nnx.Param(jnp.ones(3))
+
+    def store(m, x):
+        m.box.v = x * 2
+        return m.w[...] * x
+
+    holder = Holder()
+    with pytest.raises(jax.errors.UnexpectedTracerError, match=r"`m\.box\.v`") as error:
+        ml.jit(store)(holder, jnp.ones(3))
+    assert isinstance(error.value, ml.TraceLeakError) and not hasattr(holder.box, "v")
+    assert "docs.jax.dev" not in str(error.value)

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Hashable, Iterable
 from typing import Any, TypeAlias
 
+from jax.errors import UnexpectedTracerError
+
 Path: TypeAlias = tuple[Hashable, ...]
 
 
@@ -31,8 +33,13 @@ class StructureChangedError(RuntimeError):
     """A lifted function changed its arguments in a way meshlift cannot carry back."""
 
 
-class TraceLeakError(RuntimeError):
-    """Writing back would put an outer transform's tracers into the caller's objects."""
+class TraceLeakError(UnexpectedTracerError, RuntimeError):
+    """Writing back would put a tracer into the caller's objects: an outer transform's, or
+    one stored in a static value. Also JAX's `UnexpectedTracerError`, which reading that
+    tracer later would raise, so an `except` written for JAX catches it."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)  # as it is, without a link to JAX's error page
 
 
 class RetraceWarning(UserWarning):
