@@ -4,6 +4,8 @@ Each test runs the same code under jax or flax as its reference: flax's
 `nnx.with_partitioning` on the mesh, `jax.jit` under `jax.set_mesh`.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,15 +50,32 @@ def zeros_in_types(x):
     return x + jnp.zeros((8, 4), out_sharding=P("data"))  # needs a mesh in context
 
 
-def test_mesh_is_the_traced_functions_mesh_context(mesh):
+@pytest.mark.parametrize("given", ["mesh", "function"])
+def test_mesh_is_the_traced_functions_mesh_context(mesh, given):
     x = jnp.ones((8, 4))
-    mine = ml.jit(zeros_in_types, mesh=mesh)(x)
+    mine = ml.jit(zeros_in_types, mesh=mesh if given == "mesh" else lambda: mesh)(x)
     with jax.set_mesh(mesh):
         theirs = jax.jit(zeros_in_types)(x)
     assert mine.sharding == theirs.sharding
     assert mine.sharding.spec == P("data", None)
     np.testing.assert_array_equal(mine, theirs)
     assert jax.sharding.get_abstract_mesh().empty  # the caller's context is left as it was
+
+
+@pytest.mark.parametrize("given", ["mesh", "function"])
+def test_a_function_of_no_arrays_is_placed_in_the_mesh_given(mesh, given):
+    """JAX needs the mesh in context to place `f32[8@data,4]`; mesh= (or the function
+    giving one) is that context, for the call and its lowering."""
+
+    def zeros():
+        return jnp.zeros((8, 4), out_sharding=P("data"))
+
+    mine = ml.jit(zeros, mesh=mesh if given == "mesh" else lambda: mesh)
+    with jax.set_mesh(mesh):
+        theirs, lowered = jax.jit(zeros)(), jax.jit(zeros).lower()
+    assert mine().sharding == theirs.sharding
+    placed = re.search(r"sdy\.sharding = (#sdy\.sharding<[^>]*>)", lowered.as_text())[1]
+    assert placed in mine.lower().as_text()  # the result placed as jax places it
 
 
 def test_eval_shape_then_trace_traces_once_as_jax_jit(mesh):

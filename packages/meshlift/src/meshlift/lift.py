@@ -138,7 +138,7 @@ class Lifted(Generic[Params, Result]):
         self.mesh = self.backend.read_mesh(mesh)
         self.options = self.backend.read_options(options)
         per_shard = "manual-collectives" in self.backend.capabilities  # in its own mesh
-        self._context_mesh = self.mesh if isinstance(self.mesh, Mesh) and not per_shard else None
+        self._sets_mesh = self.mesh is not None and not per_shard  # mesh= is a mesh context
         argnums = (static_argnums, static_argnames, donate_argnums, donate_argnames)
         self._receiver = methods.graph_receiver(fun)
         if self._receiver is not None:  # `m.method`: m becomes the first argument of each call
@@ -513,8 +513,8 @@ class Lifted(Generic[Params, Result]):
                 f"{type(staged).__name__} {staged!r}: its stage(fn, spec) must return the staged "
                 f"callable, such as jax.jit(fn, ...); did it forget to return it?"
             )
-        if self._context_mesh is not None:  # mesh= is the function's mesh context
-            staged = InMesh(staged, self._context_mesh)
+        if self._sets_mesh and isinstance(layout.mesh, Mesh):  # mesh= (or what it gave)
+            staged = InMesh(staged, layout.mesh)
         self._staged[layout.key] = staged
         return staged
 
