@@ -477,7 +477,7 @@ def screenshots(session: nox.Session) -> None:
     """Build the site and look at each page in chromium at 1280 px (docs/screenshots.py).
 
     Each page is photographed whole into site-screenshots/; the session fails on a code
-    block too wide for its column (the reader gets a scrollbar) and on a guide page whose
+    block or a table too wide for its column (the reader gets a scrollbar) and on a guide page whose
     python blocks show no output. Arguments after -- pick pages: `-- guide api/`.
     Needs Debian's chromium (Playwright drives it; no `playwright install`).
     """
