@@ -46,7 +46,7 @@ def install(session: nox.Session, *extra: str, constraints: str = "constraints.t
 # (meshlift.testing.oracle); cloudpickle: lifted functions pickle as jax.jit's do;
 # pytest-xdist: the suites run on one worker per core (`-- -n 0`: in one process)
 TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis", "orbax-checkpoint", "cloudpickle")
-WORKERS = ("-n", "auto")  # 2 cores: 21 min -> about 15 for `tests`, measured on a fresh clone
+WORKERS = ("-n", "auto")  # 2 cores: 21 min -> 16 for `tests`, measured on a fresh clone
 
 
 def run_pytest(session: nox.Session, *paths: str) -> None:
