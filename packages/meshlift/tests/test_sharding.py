@@ -8,7 +8,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift.paths import PlanError, format_path
+from meshlift.errors import PlanError
+from meshlift.paths import format_path
 from meshlift.resolve import to_sharding
 from meshlift.sharding import path_endswith
 from meshlift.specs import spec_problems

@@ -39,7 +39,7 @@ _LAZY: dict[str, str] = {
     "hookimpl": "meshlift.hookspecs",
     "Lifted": "meshlift.lift",
     "transform": "meshlift.transform",
-    "AxisRuleWarning": "meshlift.logical",
+    "AxisRuleWarning": "meshlift.errors",
     "axis_rules": "meshlift.logical",
     "logical_to_mesh": "meshlift.logical",
     "logical_to_mesh_axes": "meshlift.logical",
@@ -56,11 +56,11 @@ _LAZY: dict[str, str] = {
     "unbox": "meshlift.metadata",
     "with_logical_partitioning": "meshlift.metadata",
     "with_partitioning": "meshlift.metadata",
-    "PlanError": "meshlift.paths",
-    "RetraceWarning": "meshlift.paths",
-    "StructureChangedError": "meshlift.paths",
-    "TraceLeakError": "meshlift.paths",
-    "BackendNotFoundError": "meshlift.plugins",
+    "PlanError": "meshlift.errors",
+    "RetraceWarning": "meshlift.errors",
+    "StructureChangedError": "meshlift.errors",
+    "TraceLeakError": "meshlift.errors",
+    "BackendNotFoundError": "meshlift.errors",
     "backends": "meshlift.plugins",
     "get_backend": "meshlift.plugins",
     "get_frontend": "meshlift.plugins",
@@ -77,11 +77,18 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from meshlift import plugins
     from meshlift.abstract import eval_shape
     from meshlift.backend import Backend, Specs, StageSpec
+    from meshlift.errors import (
+        AxisRuleWarning,
+        BackendNotFoundError,
+        PlanError,
+        RetraceWarning,
+        StructureChangedError,
+        TraceLeakError,
+    )
     from meshlift.explain import Explanation, explain
     from meshlift.hookspecs import hookimpl
     from meshlift.lift import Lifted
     from meshlift.logical import (
-        AxisRuleWarning,
         axis_rules,
         logical_to_mesh,
         logical_to_mesh_axes,
@@ -99,8 +106,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         with_logical_partitioning,
         with_partitioning,
     )
-    from meshlift.paths import PlanError, RetraceWarning, StructureChangedError, TraceLeakError
-    from meshlift.plugins import BackendNotFoundError, backends, get_backend, get_frontend
+    from meshlift.plugins import backends, get_backend, get_frontend
     from meshlift.sharding import StateSharding, path_endswith
     from meshlift.stages import Compiled, Lowered, Traced
     from meshlift.transform import transform
@@ -178,7 +184,7 @@ else:  # at run time each forwards to its backend's front end, found through the
 
         Raises:
             BackendNotFoundError: If the `meshlift-jit` backend is not installed.
-            meshlift.plugins.PluginError: If its backend has no front end.
+            meshlift.errors.PluginError: If its backend has no front end.
 
         Example:
 
@@ -203,7 +209,7 @@ else:  # at run time each forwards to its backend's front end, found through the
 
         Raises:
             BackendNotFoundError: If the `meshlift-shard-map` backend is not installed.
-            meshlift.plugins.PluginError: If its backend has no front end.
+            meshlift.errors.PluginError: If its backend has no front end.
 
         Example:
 
@@ -230,7 +236,7 @@ else:  # at run time each forwards to its backend's front end, found through the
 
         Raises:
             BackendNotFoundError: If the `meshlift-pjit` backend is not installed.
-            meshlift.plugins.PluginError: If its backend has no front end.
+            meshlift.errors.PluginError: If its backend has no front end.
 
         Example:
 

@@ -37,6 +37,7 @@ from flax.core import meta as flax_meta
 from flax.nnx import graphlib
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshlift.errors import PlanError
 from meshlift.graph import variable_paths
 from meshlift.logical import (
     UNASSIGNED,
@@ -46,7 +47,7 @@ from meshlift.logical import (
     check_rules,
     current_rules,
 )
-from meshlift.paths import PlanError, format_path, key_name
+from meshlift.paths import format_path, key_name
 from meshlift.specs import did_you_mean
 
 Path = tuple[Hashable, ...]

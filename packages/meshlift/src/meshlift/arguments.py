@@ -31,8 +31,9 @@ from typing import Any
 import jax
 
 from meshlift import compat
+from meshlift.errors import PlanError
 from meshlift.graph import is_graph_leaf
-from meshlift.paths import Path, PlanError, key_name
+from meshlift.paths import Path, key_name
 
 
 class Signature:

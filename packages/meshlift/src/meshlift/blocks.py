@@ -32,7 +32,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from meshlift.paths import PlanError
+from meshlift.errors import PlanError
 
 
 @dataclasses.dataclass(frozen=True)

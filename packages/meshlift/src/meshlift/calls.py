@@ -42,8 +42,9 @@ import jax
 import jax.numpy as jnp
 
 from meshlift import compat, resolve, speedups
+from meshlift.errors import StructureChangedError, TraceLeakError
 from meshlift.layout import Call, Layout
-from meshlift.paths import Path, StructureChangedError, TraceLeakError, format_path, listing
+from meshlift.paths import Path, format_path, listing
 from meshlift.pure import StaleLayout, TraceInfo, abstract_outputs
 from meshlift.staged_errors import explain
 

@@ -327,7 +327,7 @@ def _why(report: Any, path: str) -> str:
 
 
 def _layout(report: Any, path: str) -> Any:
-    from meshlift.paths import PlanError
+    from meshlift.errors import PlanError
 
     try:
         return report.layout(path)

@@ -43,8 +43,9 @@ from rich.text import Text
 from meshlift import resolve
 from meshlift.annotation import annotated_leaves, unused_rules_of
 from meshlift.blocks import Blocks, mesh_of_devices, spec_entry
+from meshlift.errors import PlanError
 from meshlift.mesh import current_mesh
-from meshlift.paths import PlanError, format_path
+from meshlift.paths import format_path
 from meshlift.sharding import Spec, StateSharding, as_plan
 from meshlift.specs import spec_axes
 from meshlift.tables import Breakable, fit_columns

@@ -39,7 +39,8 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from meshlift import compat, modes, speedups
-from meshlift.paths import Path, PlanError, StructureChangedError, format_path, listing
+from meshlift.errors import PlanError, StructureChangedError
+from meshlift.paths import Path, format_path, listing
 from meshlift.structure import _ATOMS, Watcher, fingerprint, per_type
 
 

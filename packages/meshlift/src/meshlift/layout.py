@@ -46,8 +46,9 @@ from jax.sharding import Sharding
 
 from meshlift import compat, resolve, static_changes
 from meshlift.arguments import Signature, static_key
+from meshlift.errors import PlanError
 from meshlift.graph import GraphSplit, is_graph_leaf, is_graph_type, raw
-from meshlift.paths import Path, PlanError, format_path, key_name
+from meshlift.paths import Path, format_path, key_name
 from meshlift.pure import PureFunction, abstract_outputs, held_types, picker
 from meshlift.sharding import StateSharding
 from meshlift.staged_errors import names_note

@@ -41,6 +41,7 @@ from meshlift.arguments import Signature, static_key
 from meshlift.backend import Backend, Specs, StageSpec
 from meshlift.caches import LayoutCache, options_key, shared_stages
 from meshlift.calls import Entry
+from meshlift.errors import PlanError, RetraceWarning
 from meshlift.graph import is_graph_leaf
 from meshlift.layout import (
     Call,
@@ -52,7 +53,7 @@ from meshlift.layout import (
     pass_key,
 )
 from meshlift.mesh import InMesh, current_mesh
-from meshlift.paths import PlanError, RetraceWarning, listing, user_stacklevel
+from meshlift.paths import listing, user_stacklevel
 from meshlift.plugins import get_backend
 from meshlift.pure import StaleLayout
 from meshlift.staged_errors import named_errors
@@ -97,7 +98,7 @@ class Lifted(Generic[Params, Result]):
         ValueError: If the static or donated arguments do not fit `fun`'s signature,
             as `jax.jit` checks them.
         meshlift.BackendNotFoundError: If no installed backend has the name `backend`.
-        meshlift.plugins.PluginError: If two plugins register the name `backend`.
+        meshlift.errors.PluginError: If two plugins register the name `backend`.
         meshlift.PlanError: If a module stands where specs go; at a call, if a spec
             does not fit its argument.
         meshlift.StructureChangedError: At a call under `nnx.cached_partial`, if `fun`

@@ -41,8 +41,9 @@ import jax
 from flax.core import spmd as flax_spmd
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from meshlift.errors import AxisRuleWarning, PlanError
 from meshlift.mesh import current_mesh
-from meshlift.paths import PlanError, user_stacklevel
+from meshlift.paths import user_stacklevel
 from meshlift.specs import did_you_mean
 
 MeshAxes: TypeAlias = str | tuple[str, ...] | None  # or PartitionSpec.UNCONSTRAINED
@@ -175,17 +176,6 @@ def _mesh_shape(mesh: Any) -> dict[str, int] | None:
     if mesh is None:
         return None
     return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
-
-
-class AxisRuleWarning(UserWarning):
-    """An axis rule was skipped because the mesh lacks one of its axes, or does nothing
-    because no parameter has its logical name while a name close to it has no rule.
-
-    A typo in a rule (`("mlp", "modle")`, `("mpl", "model")`), or rules written for
-    another mesh: either way some parameters are less sharded than the rule asks.
-    Silence it for rules shared across meshes with
-    `warnings.filterwarnings("ignore", category=ml.AxisRuleWarning)`.
-    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,9 +45,10 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from meshlift import annotation, compat
 from meshlift.annotation import Annotated, annotated_leaves, box_value, effective_rules, is_box
+from meshlift.errors import PlanError
 from meshlift.logical import Rules, check_rules, report_skipped
 from meshlift.mesh import current_mesh
-from meshlift.paths import PlanError, format_path
+from meshlift.paths import format_path
 from meshlift.specs import spec_problems
 
 Path = tuple[Hashable, ...]

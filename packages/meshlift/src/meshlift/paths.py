@@ -1,4 +1,4 @@
-"""The ground floor: parameter paths and the errors that name them.
+"""The ground floor: parameter paths, as messages name them (the errors are in `errors`).
 
 A path is a tuple of keys whose first entry is the caller's argument name,
 `("model", "linear1", "kernel")`; it is formatted once, for a message, as
@@ -20,30 +20,7 @@ import sys
 from collections.abc import Hashable, Iterable
 from typing import Any, TypeAlias
 
-from jax.errors import UnexpectedTracerError
-
 Path: TypeAlias = tuple[Hashable, ...]
-
-
-class PlanError(ValueError):
-    """A sharding plan does not fit the arguments it is applied to."""
-
-
-class StructureChangedError(RuntimeError):
-    """A lifted function changed its arguments in a way meshlift cannot carry back."""
-
-
-class TraceLeakError(UnexpectedTracerError, RuntimeError):
-    """Writing back would put a tracer into the caller's objects: an outer transform's, or
-    one stored in a static value. Also JAX's `UnexpectedTracerError`, which reading that
-    tracer later would raise, so an `except` written for JAX catches it."""
-
-    def __init__(self, message: str) -> None:
-        Exception.__init__(self, message)  # as it is, without a link to JAX's error page
-
-
-class RetraceWarning(UserWarning):
-    """A lifted function re-traces on every call: its trace changes a static value in place."""
 
 
 def format_path(path: Iterable[Hashable]) -> str:

@@ -51,6 +51,7 @@ import pluggy
 
 from meshlift import hookspecs
 from meshlift.backend import Backend, origin
+from meshlift.errors import BackendNotFoundError, PluginError
 from meshlift.first_party import FRONT_ENDS, canonical, first_party_backends, fold
 from meshlift.installed import BackendInfo, InstalledBackends, LoadError
 
@@ -80,23 +81,6 @@ DISABLE_ENV = "MESHLIFT_DISABLE_PLUGINS"
 
 _DEFAULT_VERSION = attrs.fields(Backend).version.default
 _HOOKS = tuple(name for name in vars(hookspecs) if name.startswith("meshlift_"))
-
-
-class PluginError(Exception):
-    """A plugin registered something meshlift cannot accept.
-
-    Raised for a name two backends or plugins claim, a first-party name taken by
-    another distribution, a registered object that is no `Backend`, and a
-    backend without the front end asked for.
-    """
-
-
-class BackendNotFoundError(LookupError):
-    """No installed backend has the requested name.
-
-    The message lists the installed backends and the distribution to install.
-    A `LookupError`.
-    """
 
 
 @attrs.define

@@ -46,6 +46,7 @@ import jax
 
 from meshlift import compat, static_changes
 from meshlift.arguments import insert_statics, named_statics
+from meshlift.errors import TraceLeakError
 from meshlift.graph import (
     GraphSplit,
     GraphUpdate,
@@ -57,7 +58,7 @@ from meshlift.graph import (
     decode_outputs,
     encode_outputs,
 )
-from meshlift.paths import Path, TraceLeakError, format_path
+from meshlift.paths import Path, format_path
 from meshlift.static_changes import StaticValues
 
 

@@ -22,7 +22,6 @@ assert sharding.spec == P("data")
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -31,9 +30,9 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from meshlift import compat
+from meshlift.errors import PlanError, duplicate_axis_error
 from meshlift.graph import is_graph_leaf, variable_paths
-from meshlift.paths import Path, PlanError, format_path, key_name, listing, user_stacklevel
+from meshlift.paths import Path, format_path, key_name, listing, user_stacklevel
 from meshlift.sharding import Spec, StateSharding, as_plan, is_path_filter, is_spec, value_shape
 from meshlift.specs import repeats_an_axis, spec_problems
 
@@ -108,26 +107,6 @@ def to_sharding(
             raise duplicate_axis_error()(message, mesh, placed.spec)
         raise PlanError(message)
     return NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
-
-
-@functools.cache
-def duplicate_axis_error() -> type[PlanError]:
-    """The PlanError for a spec naming a mesh axis twice: also jax's `DuplicateSpecError`,
-    so an `except` written for `jax.jit` catches it."""
-
-    class DuplicateAxisError(PlanError, compat.duplicate_spec_error()):  # type: ignore[misc]
-        __doc__ = duplicate_axis_error.__doc__
-        __module__ = PlanError.__module__
-        __qualname__ = "DuplicateAxisError"
-
-        def __init__(self, message: str, mesh: Any = None, pspec: Any = None):
-            PlanError.__init__(self, message)
-            self.message, self.mesh, self.pspec = message, mesh, pspec  # jax's fields
-
-        def __str__(self) -> str:
-            return self.message
-
-    return DuplicateAxisError
 
 
 def _held_tree(value: Any) -> Any:

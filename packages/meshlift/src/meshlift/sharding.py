@@ -26,8 +26,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 from meshlift.annotation import annotated_leaves, unused_rules_of
+from meshlift.errors import PlanError
 from meshlift.logical import Rules, report_skipped
-from meshlift.paths import Path, PlanError, format_path
+from meshlift.paths import Path, format_path
 
 Spec: TypeAlias = PartitionSpec | Sharding | None
 

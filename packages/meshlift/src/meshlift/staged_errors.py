@@ -35,7 +35,8 @@ from typing import Any
 import jax
 
 from meshlift import resolve
-from meshlift.paths import PlanError, format_path
+from meshlift.errors import PlanError
+from meshlift.paths import format_path
 from meshlift.pure import RETURNED, RUNNING, abstract_outputs, last_trace
 
 _OUTPUT_NAMES = ("out_shardings", "out_specs")  # JAX's names for the output's specs

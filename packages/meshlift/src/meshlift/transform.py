@@ -102,7 +102,7 @@ def transform(
         ValueError: If `graph` or `graph_updates` is False (flax's tree mode), or as
             `Lifted`.
         meshlift.BackendNotFoundError: If no installed backend has the name `backend`.
-        meshlift.plugins.PluginError: If two plugins register the name `backend`.
+        meshlift.errors.PluginError: If two plugins register the name `backend`.
 
     Example:
 
