@@ -317,8 +317,9 @@ def _simulate_devices(mesh_shape: dict[str, int]) -> None:
 
 
 def _why(report: Any, path: str) -> str:
+    """`report.why(path)`; a path the report lacks is a usage error naming the nearest."""
     try:
-        return str(report.why(path))
+        return report.why(path)
     except LookupError as error:
         raise UserError(
             f"--why {path!r}: {error}",
