@@ -238,7 +238,7 @@ def _plan(
             "linen's model.init(...)",
         )
     layouts = [_layout(report, path) for path in show]  # every mistake before any output
-    reasons = [_why(report, path) for path in why]
+    reasons = [report.why(_checked_path(report, path, "--why")) for path in why]
     if as_json:
         data = report.to_dict()
         if layouts:
@@ -316,28 +316,24 @@ def _simulate_devices(mesh_shape: dict[str, int]) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={needed}".strip()
 
 
-def _why(report: Any, path: str) -> str:
-    """`report.why(path)`; a path the report lacks is a usage error naming the nearest."""
+def _checked_path(report: Any, path: str, option: str) -> str:
+    """`path` if the report has that parameter; else a usage error naming the nearest."""
     try:
-        return report.why(path)
+        report.row(path)
     except LookupError as error:
         raise UserError(
-            f"--why {path!r}: {error}",
-            "write a path as the table's first column shows it, e.g. --why " + report.rows[0].path,
+            f"{option} {path!r}: {error}",
+            f"write a path as the table's first column shows it (meshlift plan without "
+            f"{option} prints the table), e.g. {option} {report.rows[0].path}",
         ) from None
+    return path
 
 
 def _layout(report: Any, path: str) -> Any:
     from meshlift.errors import PlanError
 
     try:
-        return report.layout(path)
-    except LookupError as error:
-        raise UserError(
-            f"--show {path!r}: {error}",
-            "write a path as the table's first column shows it (meshlift plan without --show "
-            "prints the table), e.g. --show " + report.rows[0].path,
-        ) from None
+        return report.layout(_checked_path(report, path, "--show"))
     except PlanError as error:
         raise UserError(
             f"--show {path!r}: {error}",
