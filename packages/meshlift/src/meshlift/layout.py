@@ -42,7 +42,6 @@ import attrs
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Sharding
 
 from meshlift import compat, resolve, static_changes
 from meshlift.arguments import Signature, static_key
@@ -137,7 +136,21 @@ class Layout:
         if any(donated) and any(compat.is_ref(raw(leaf)) for leaf in self.split.leaves):
             donated = [False] * len(donated)  # XLA cannot alias both: see _REF_DONATION
             warnings.warn(_REF_DONATION.format(names.function), UserWarning, stacklevel=5)
-        self.var_shardings, self.dyn_shardings, by_plan = self._in_shardings(args, leaves)
+        what = self.names.in_specs
+        positional = self.signature.positional_prefix(
+            self.in_specs, args, what, self.names.function
+        )
+        self.var_shardings, self.dyn_shardings, by_plan = resolve.argument_shardings(
+            positional,
+            args,
+            leaves,
+            self.leaf_paths,
+            self.node_pos,
+            self.dyn_pos,
+            self.split,
+            self.mesh,
+            what,
+        )
         self.passed = {  # leaf position -> a value handed to the function unchanged
             i: leaves[i]
             for i in self.dyn_pos
@@ -196,40 +209,6 @@ class Layout:
                     f"an array), so it is compiled in like a static argument and must be "
                     f"hashable; pass a tuple or a frozen dataclass, or an array with a spec"
                 ) from e
-
-    def _in_shardings(
-        self, args: tuple[Any, ...], leaves: list[Any]
-    ) -> tuple[tuple[Sharding | None, ...], dict[int, Sharding | None], tuple[int, ...]]:
-        """One sharding per Variable (split order) and per other leaf (by leaf position),
-        and the positions of the other leaves a plan gave theirs (its filters may read the
-        value)."""
-        what = self.names.in_specs
-        positional = self.signature.positional_prefix(
-            self.in_specs, args, what, self.names.function
-        )
-        prefix = resolve.broadcast_prefix(positional, args, what, "arguments")
-        prefix += [None] * (len(leaves) - len(prefix))  # keyword arguments: given no specs
-        split = self.split
-        position: dict[Any, int] = {  # a Variable by identity; an array by where it is stored
-            id(v) if isinstance(v, nnx.Variable) else p: i
-            for i, (p, v) in enumerate(zip(split.paths, split.leaves, strict=True))
-        }
-        node_specs = [
-            (format_path(self.leaf_paths[pos]), leaves[pos], prefix[pos]) for pos in self.node_pos
-        ]
-        use = resolve.PlanUse()
-        var_shardings = resolve.variable_shardings(
-            node_specs, position, len(split.leaves), self.mesh, what, use
-        )
-        dyn_shardings = {
-            pos: resolve.leaf_sharding(
-                prefix[pos], self.leaf_paths[pos], leaves[pos], self.mesh, what, use
-            )
-            for pos in self.dyn_pos
-        }
-        use.check(what, self.mesh)
-        by_plan = tuple(pos for pos in self.dyn_pos if isinstance(prefix[pos], StateSharding))
-        return var_shardings, dyn_shardings, by_plan
 
     def out_shardings(self, call: Call) -> Any:
         """The output's shardings; a plan for output modules is resolved on an abstract trace."""

@@ -41,8 +41,7 @@ from meshlift.arguments import Signature, static_key
 from meshlift.backend import Backend, Specs, StageSpec
 from meshlift.caches import LayoutCache, options_key, shared_stages
 from meshlift.calls import Entry
-from meshlift.errors import PlanError, RetraceWarning
-from meshlift.graph import is_graph_leaf
+from meshlift.errors import RetraceWarning
 from meshlift.layout import (
     Call,
     Layout,
@@ -554,11 +553,5 @@ def _checked_specs(backend: Backend, in_specs: Any, out_specs: Any, options: dic
             f"backend {backend.name!r} read its specs as {type(specs).__name__}: {specs!r}; "
             f"Backend.read_specs must return a meshlift.Specs"
         )
-    for what, tree in zip(specs.names, (specs.in_specs, specs.out_specs), strict=True):
-        node = next((s for s in resolve.spec_leaves(tree) if is_graph_leaf(s)), None)
-        if node is not None:
-            raise PlanError(
-                f"{what} contains a {type(node).__name__}, a graph node, where specs go; give "
-                f"a StateSharding (or an nnx.State / nested dict of PartitionSpecs) instead"
-            )
+    resolve.refuse_graph_nodes(zip(specs.names, (specs.in_specs, specs.out_specs), strict=True))
     return specs

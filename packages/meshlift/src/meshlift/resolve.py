@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from meshlift.errors import PlanError, duplicate_axis_error
-from meshlift.graph import is_graph_leaf, variable_paths
+from meshlift.graph import GraphSplit, is_graph_leaf, variable_paths
 from meshlift.paths import Path, format_path, key_name, listing, user_stacklevel
 from meshlift.sharding import Spec, StateSharding, as_plan, is_path_filter, is_spec, value_shape
 from meshlift.specs import repeats_an_axis, spec_problems
@@ -284,6 +284,51 @@ def variable_shardings(
     return tuple(shardings)
 
 
+class ArgumentShardings(NamedTuple):
+    """One call's input shardings: per Variable of its split (split order), per other leaf
+    (by leaf position), and the positions of the other leaves a plan gave theirs (its
+    filters may read the value)."""
+
+    variables: tuple[Sharding | None, ...]
+    leaves: dict[int, Sharding | None]
+    by_plan: tuple[int, ...]
+
+
+def argument_shardings(
+    positional: Any,
+    args: tuple[Any, ...],
+    leaves: Sequence[Any],
+    leaf_paths: Sequence[Path],
+    node_pos: Sequence[int],
+    dyn_pos: Sequence[int],
+    split: GraphSplit,
+    mesh: Any,
+    what: str,
+) -> ArgumentShardings:
+    """The shardings of a call's arguments from `positional`, a spec prefix of `args`.
+
+    `leaves` are the flat arguments (`leaf_paths` their paths), the graph nodes at
+    `node_pos` (taken apart in `split`), the other leaves at `dyn_pos`. Every plan's
+    use is checked once, over the whole call (`PlanUse`).
+    """
+    prefix = broadcast_prefix(positional, args, what, "arguments")
+    prefix += [None] * (len(leaves) - len(prefix))  # keyword arguments: given no specs
+    position: dict[Any, int] = {  # a Variable by identity; an array by where it is stored
+        id(v) if isinstance(v, nnx.Variable) else p: i
+        for i, (p, v) in enumerate(zip(split.paths, split.leaves, strict=True))
+    }
+    node_specs = [(format_path(leaf_paths[pos]), leaves[pos], prefix[pos]) for pos in node_pos]
+    use = PlanUse()
+    variables = variable_shardings(node_specs, position, len(split.leaves), mesh, what, use)
+    others = {
+        pos: leaf_sharding(prefix[pos], leaf_paths[pos], leaves[pos], mesh, what, use)
+        for pos in dyn_pos
+    }
+    use.check(what, mesh)
+    by_plan = tuple(pos for pos in dyn_pos if isinstance(prefix[pos], StateSharding))
+    return ArgumentShardings(variables, others, by_plan)
+
+
 def leaf_sharding(
     spec: Any, path: Path, value: Any, mesh: Any, what: str, use: PlanUse | None = None
 ) -> Sharding | None:
@@ -335,6 +380,17 @@ def output_shardings(out_specs: Any, abstract_out: Any, nodes: Any, mesh: Any, w
 def spec_leaves(specs: Any) -> list[Any]:
     """The leaves of a spec tree, plans and mappings of specs kept whole."""
     return jax.tree.leaves(specs, is_leaf=lambda x: is_spec(x) or isinstance(x, Mapping))
+
+
+def refuse_graph_nodes(spec_trees: Iterable[tuple[str, Any]]) -> None:
+    """Raise a PlanError naming the first `(what, tree)` with a graph node where specs go."""
+    for what, tree in spec_trees:
+        node = next((s for s in spec_leaves(tree) if is_graph_leaf(s)), None)
+        if node is not None:
+            raise PlanError(
+                f"{what} contains a {type(node).__name__}, a graph node, where specs go; give "
+                f"a StateSharding (or an nnx.State / nested dict of PartitionSpecs) instead"
+            )
 
 
 def simple_shardings(specs: Any, mesh: Any, what: str) -> Any:
