@@ -38,6 +38,8 @@ _LAZY: dict[str, str] = {
     "explain": "meshlift.explain",
     "hookimpl": "meshlift.hookspecs",
     "Lifted": "meshlift.lift",
+    "LiftOptions": "meshlift.options",
+    "takes_lift_options": "meshlift.options",
     "transform": "meshlift.transform",
     "AxisRuleWarning": "meshlift.errors",
     "axis_rules": "meshlift.logical",
@@ -106,6 +108,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         with_logical_partitioning,
         with_partitioning,
     )
+    from meshlift.options import LiftOptions, takes_lift_options
     from meshlift.plugins import backends, get_backend, get_frontend
     from meshlift.sharding import StateSharding, path_endswith
     from meshlift.stages import Compiled, Lowered, Traced
@@ -256,6 +259,7 @@ __all__ = [
     "BackendNotFoundError",
     "Compiled",
     "Explanation",
+    "LiftOptions",
     "Lifted",
     "Lowered",
     "PlanError",
@@ -289,6 +293,7 @@ __all__ = [
     "remove_axis",
     "replace_boxed",
     "shard_map",
+    "takes_lift_options",
     "transform",
     "unbox",
     "use_mesh",

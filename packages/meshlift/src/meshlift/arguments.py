@@ -212,17 +212,3 @@ def _infer(
     elif argnames is not None and argnums is None:
         nums = tuple(names.index(n) for n in strs if n in names)
     return nums, strs
-
-
-def check_graph_mode(**modes: bool | None) -> None:
-    """Refuse flax's tree mode (`graph=False`, `graph_updates=False`): meshlift keeps graph
-    semantics, and running them where tree semantics were asked would differ silently."""
-    for name, value in modes.items():
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name}= takes True, False or None, got {type(value).__name__}")
-        if value is False:
-            raise ValueError(
-                f"{name}=False asks for flax's tree mode, which meshlift does not offer: it "
-                f"keeps graph semantics (shared Variables, structure changes carried back to "
-                f"your objects). Drop {name}= (or pass True), or use flax's nnx.jit for tree mode"
-            )

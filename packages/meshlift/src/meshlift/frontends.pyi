@@ -3,7 +3,8 @@
 # At run time each forwards to its backend's front end (meshlift_jit.jit,
 # meshlift_shard_map.shard_map, meshlift_pjit.pjit), found through the plugins: the core
 # imports no plugin, not even for types. tests/test_frontends_stub.py checks that these
-# signatures are the plugins' own.
+# signatures are the plugins' own. The lift options (static_argnums ... graph_updates) are
+# written here as each front end's signature shows them: `ml.LiftOptions` defines them once.
 
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar, overload
@@ -23,16 +24,16 @@ def jit(
     *,
     in_shardings: Any = None,
     out_shardings: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
     device: jax.Device | None = None,
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Lifted[Params, Result]: ...
@@ -43,16 +44,16 @@ def jit(
     *,
     in_shardings: Any = None,
     out_shardings: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
     device: jax.Device | None = None,
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    static_argnums: int | Iterable[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Iterable[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
@@ -67,12 +68,12 @@ def shard_map(
     axis_names: Iterable[str] = ...,
     check_vma: bool = True,
     jit: bool = True,
+    check_rep: bool | None = None,
+    auto: Iterable[str] | None = None,
     static_argnums: int | Iterable[int] | None = None,
     static_argnames: str | Iterable[str] | None = None,
     donate_argnums: int | Iterable[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
-    check_rep: bool | None = None,
-    auto: Iterable[str] | None = None,
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Lifted[Params, Result]: ...
@@ -87,12 +88,12 @@ def shard_map(
     axis_names: Iterable[str] = ...,
     check_vma: bool = True,
     jit: bool = True,
+    check_rep: bool | None = None,
+    auto: Iterable[str] | None = None,
     static_argnums: int | Iterable[int] | None = None,
     static_argnames: str | Iterable[str] | None = None,
     donate_argnums: int | Iterable[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
-    check_rep: bool | None = None,
-    auto: Iterable[str] | None = None,
     graph: bool | None = None,
     graph_updates: bool | None = None,
 ) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
@@ -105,7 +106,9 @@ def pjit(
     *,
     in_shardings: Any = ...,
     out_shardings: Any = ...,
+    keep_unused: bool = False,
     static_argnames: str | Iterable[str] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
-    keep_unused: bool = False,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Lifted[Params, Result]: ...

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
 from jax.sharding import AbstractMesh, Mesh
@@ -52,6 +52,7 @@ from meshlift.layout import (
     pass_key,
 )
 from meshlift.mesh import InMesh, current_mesh
+from meshlift.options import LiftOptions
 from meshlift.paths import listing, user_stacklevel
 from meshlift.plugins import get_backend
 from meshlift.pure import StaleLayout
@@ -85,10 +86,8 @@ class Lifted(Generic[Params, Result]):
         in_specs: Specs of the positional arguments (a pytree prefix); None: unspecified.
         out_specs: Specs of the output (a pytree prefix); None: unspecified.
         mesh: A mesh, a function returning one at each call, or None for the call site's.
-        static_argnums: Positions of static arguments, as in `jax.jit`.
-        static_argnames: Names of static arguments, as in `jax.jit`.
-        donate_argnums: Positions of donated arguments, as in `jax.jit`.
-        donate_argnames: Names of donated arguments, as in `jax.jit`.
+        lift: The lift options: static and donated arguments (`ml.LiftOptions`); None:
+            none.
         options: Backend options, read by `Backend.read_options`.
 
     Raises:
@@ -114,10 +113,7 @@ class Lifted(Generic[Params, Result]):
         in_specs: Any = None,
         out_specs: Any = None,
         mesh: MeshLike = None,
-        static_argnums: int | Iterable[int] | None = None,
-        static_argnames: str | Iterable[str] | None = None,
-        donate_argnums: int | Iterable[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None,
+        lift: LiftOptions | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
         if not callable(fun):
@@ -129,9 +125,7 @@ class Lifted(Generic[Params, Result]):
                 f"{type(mesh).__name__}: {mesh!r}; make one with `ml.make_mesh({shape})`"
             )
         functools.update_wrapper(self, fun)
-        self._made_with: tuple[Any, ...] = (fun, backend, in_specs, out_specs, mesh)
-        self._made_with += (static_argnums, static_argnames, donate_argnums, donate_argnames)
-        self._made_with += (options,)
+        self._made_with = (fun, backend, in_specs, out_specs, mesh, lift, options)
         self.backend = get_backend(backend)
         options = dict(options or {})
         self.specs = _checked_specs(self.backend, in_specs, out_specs, options)
@@ -139,7 +133,7 @@ class Lifted(Generic[Params, Result]):
         self.options = self.backend.read_options(options)
         per_shard = "manual-collectives" in self.backend.capabilities  # in its own mesh
         self._sets_mesh = self.mesh is not None and not per_shard  # mesh= is a mesh context
-        argnums = (static_argnums, static_argnames, donate_argnums, donate_argnames)
+        argnums = (lift or LiftOptions()).argnums
         self._receiver = methods.graph_receiver(fun)
         if self._receiver is not None:  # `m.method`: m becomes the first argument of each call
             Signature(fun, *argnums)  # jax.jit's checks, against the signature the caller sees
@@ -522,20 +516,11 @@ class Lifted(Generic[Params, Result]):
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _remade(fun: Any, backend: Any, in_specs: Any, out_specs: Any, mesh: Any, *rest: Any) -> Any:
+def _remade(fun: Any, backend: Any, *made_with: Any) -> Any:
     """`Lifted` made again from what `__reduce__` gives."""
-    static_argnums, static_argnames, donate_argnums, donate_argnames, options = rest
+    in_specs, out_specs, mesh, lift, options = made_with
     return Lifted(
-        fun,
-        backend,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        mesh=mesh,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        options=options,
+        fun, backend, in_specs=in_specs, out_specs=out_specs, mesh=mesh, lift=lift, options=options
     )
 
 

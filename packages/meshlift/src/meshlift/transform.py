@@ -7,53 +7,28 @@ and comes here: one translation onto `meshlift.lift.Lifted`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, overload
 
-from meshlift.arguments import check_graph_mode
 from meshlift.backend import Backend
 from meshlift.lift import Lifted, MeshLike, Params, Result
+from meshlift.options import LiftOptions, takes_lift_options
 from meshlift.plugins import get_backend
 
 
 @overload
 def transform(
-    backend: str | Backend,
-    fun: Callable[Params, Result],
-    /,
-    *,
-    mesh: MeshLike = None,
-    in_specs: Any = None,
-    out_specs: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-    **options: Any,
+    backend: str | Backend, fun: Callable[Params, Result], /, **options: Any
 ) -> Lifted[Params, Result]: ...
 
 
 @overload
 def transform(
-    backend: str | Backend,
-    fun: None = None,
-    /,
-    *,
-    mesh: MeshLike = None,
-    in_specs: Any = None,
-    out_specs: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-    **options: Any,
+    backend: str | Backend, fun: None = None, /, **options: Any
 ) -> Callable[[Callable[Params, Result]], Lifted[Params, Result]]: ...
 
 
+@takes_lift_options
 def transform(
     backend: str | Backend,
     fun: Callable[..., Any] | None = None,
@@ -62,12 +37,6 @@ def transform(
     mesh: MeshLike = None,
     in_specs: Any = None,
     out_specs: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
     **options: Any,
 ) -> Any:
     """Lift `fun` with any backend, by name or object, using the unified argument names.
@@ -86,13 +55,9 @@ def transform(
             `ml.use_mesh`.
         in_specs: Specs of the positional arguments; None: unspecified.
         out_specs: Specs of the output; None: unspecified.
-        static_argnums: Positions of static arguments, as in `jax.jit`.
-        static_argnames: Names of static arguments, as in `jax.jit`.
-        donate_argnums: Positions of donated arguments, as in `jax.jit`.
-        donate_argnames: Names of donated arguments, as in `jax.jit`.
-        graph: flax's `graph=`: True or None; False is refused.
-        graph_updates: flax's `graph_updates=`: True or None; False is refused.
-        **options: Backend options (`keep_unused`, `check_vma`...), passed to its `stage`.
+        **options: The lift options (`ml.LiftOptions`: `static_argnums`,
+            `donate_argnames`, `graph`...), then the backend's own (`keep_unused`,
+            `check_vma`...), passed to its `stage`.
 
     Returns:
         The `Lifted` function, or, with `fun=None`, a decorator making one.
@@ -124,7 +89,7 @@ def transform(
     loss = step(model, optimizer, jnp.ones((8, 16)))
     ```
     """
-    check_graph_mode(graph=graph, graph_updates=graph_updates)
+    lift_options, backend_options = LiftOptions.split(options)
     backend = get_backend(backend)
     lift = functools.partial(
         Lifted,
@@ -132,10 +97,7 @@ def transform(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        options=options,
+        lift=lift_options,
+        options=backend_options,
     )
     return lift if fun is None else lift(fun)

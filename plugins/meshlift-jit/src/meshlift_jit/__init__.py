@@ -17,9 +17,9 @@ def train_step(model, batch):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any
 
 import jax
 
@@ -29,9 +29,6 @@ try:
     __version__ = version("meshlift-jit")
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
-
-Params = ParamSpec("Params")
-Result = TypeVar("Result")
 
 
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
@@ -58,68 +55,20 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     return jax.jit(fn, donate_argnums=spec.donate_argnums, **shardings, **spec.options)
 
 
-@overload
-def jit(
-    fun: Callable[Params, Result],
-    /,
-    *,
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    keep_unused: bool = False,
-    device: jax.Device | None = None,
-    backend: str | None = None,
-    inline: bool = False,
-    compiler_options: dict[str, Any] | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-) -> ml.Lifted[Params, Result]: ...
-
-
-@overload
-def jit(
-    fun: None = None,
-    /,
-    *,
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    keep_unused: bool = False,
-    device: jax.Device | None = None,
-    backend: str | None = None,
-    inline: bool = False,
-    compiler_options: dict[str, Any] | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-) -> Callable[[Callable[Params, Result]], ml.Lifted[Params, Result]]: ...
-
-
+@ml.takes_lift_options
 def jit(
     fun: Callable[..., Any] | None = None,
     /,
     *,
     in_shardings: Any = None,
     out_shardings: Any = None,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
     device: jax.Device | None = None,
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
+    **lift: Any,
 ) -> Any:
     """`jax.jit` over functions of NNX modules, optimizers and arrays, with write-back.
 
@@ -135,10 +84,6 @@ def jit(
         in_shardings: Shardings of the positional arguments (a pytree prefix); None:
             unspecified.
         out_shardings: Shardings of the output (a pytree prefix); None: unspecified.
-        static_argnums: Positions of static arguments, as in `jax.jit`.
-        static_argnames: Names of static arguments, as in `jax.jit`.
-        donate_argnums: Positions of donated arguments, as in `jax.jit`.
-        donate_argnames: Names of donated arguments, as in `jax.jit`.
         keep_unused: `jax.jit`'s.
         device: `jax.jit`'s; refused next to shardings.
         backend: `jax.jit`'s; refused next to shardings.
@@ -146,8 +91,9 @@ def jit(
         compiler_options: `jax.jit`'s.
         mesh: The mesh bare `PartitionSpec`s resolve against; None: the one of
             `ml.use_mesh` at each call.
-        graph: `nnx.jit`'s: True or None; False is refused.
-        graph_updates: `nnx.jit`'s: True or None; False is refused.
+        **lift: The lift options, `ml.LiftOptions`: `static_argnums`, `static_argnames`,
+            `donate_argnums`, `donate_argnames` as in `jax.jit`; `graph`,
+            `graph_updates` as in `nnx.jit` (True or None; False is refused).
 
     Returns:
         The `Lifted` function, or, with `fun=None`, a decorator making one.
@@ -196,12 +142,7 @@ def jit(
         mesh=mesh,
         in_specs=in_shardings,
         out_specs=out_shardings,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        graph=graph,
-        graph_updates=graph_updates,
+        **lift,
         **options,
     )
 

@@ -174,6 +174,7 @@ def read_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in _IN_NAMES + _OUT_NAMES}
 
 
+@ml.takes_lift_options
 def pjit(
     fun: Callable[Params, Result],
     in_axis_resources: Any = UNSPECIFIED,
@@ -183,9 +184,8 @@ def pjit(
     *,
     in_shardings: Any = UNSPECIFIED,
     out_shardings: Any = UNSPECIFIED,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
+    **lift: Any,
 ) -> ml.Lifted[Params, Result]:
     """Old `pjit` over modules, plans and pytrees, with the mesh taken at each call.
 
@@ -194,7 +194,9 @@ def pjit(
     (replicated) leaves; lists are read as tuples. `in_shardings` and
     `out_shardings` are the later names of the same arguments. As in old
     `pjit` and `jax.jit`, keyword arguments are refused when specs are
-    given, unless static. `keep_unused` is `jax.jit`'s.
+    given, unless static. `keep_unused` is `jax.jit`'s. `static_argnums` and
+    `donate_argnums` are old `pjit`'s positional parameters; the other lift
+    options (`ml.LiftOptions`) are keywords.
 
     Args:
         fun: The function to lift.
@@ -204,9 +206,9 @@ def pjit(
         donate_argnums: Positions of donated arguments, as in `jax.jit`.
         in_shardings: The later name of `in_axis_resources`; give one of the two.
         out_shardings: The later name of `out_axis_resources`; give one of the two.
-        static_argnames: Names of static arguments, as in `jax.jit`.
-        donate_argnames: Names of donated arguments, as in `jax.jit`.
         keep_unused: `jax.jit`'s.
+        **lift: The other lift options, `ml.LiftOptions`: `static_argnames` and
+            `donate_argnames` as in `jax.jit`, `graph` and `graph_updates` as in `nnx.jit`.
 
     Returns:
         The `Lifted` function; its mesh is the one in context at each call.
@@ -242,10 +244,9 @@ def pjit(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         static_argnums=static_argnums,
-        static_argnames=static_argnames,
         donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
         keep_unused=keep_unused,
+        **lift,
     )
 
 

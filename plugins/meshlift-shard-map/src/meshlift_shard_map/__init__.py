@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh
 
@@ -44,54 +44,8 @@ except PackageNotFoundError:  # running from a source tree without an install
 
 __all__ = ["BACKEND", "AxisNameError", "shard_map", "stage"]
 
-Params = ParamSpec("Params")
-Result = TypeVar("Result")
 
-
-@overload
-def shard_map(
-    f: Callable[Params, Result],
-    /,
-    *,
-    in_specs: Any,
-    out_specs: Any,
-    mesh: Mesh | AbstractMesh | None = None,
-    axis_names: Iterable[str] = frozenset(),
-    check_vma: bool = True,
-    jit: bool = True,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    check_rep: bool | None = None,
-    auto: Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-) -> ml.Lifted[Params, Result]: ...
-
-
-@overload
-def shard_map(
-    f: None = None,
-    /,
-    *,
-    in_specs: Any,
-    out_specs: Any,
-    mesh: Mesh | AbstractMesh | None = None,
-    axis_names: Iterable[str] = frozenset(),
-    check_vma: bool = True,
-    jit: bool = True,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
-    check_rep: bool | None = None,
-    auto: Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
-) -> Callable[[Callable[Params, Result]], ml.Lifted[Params, Result]]: ...
-
-
+@ml.takes_lift_options
 def shard_map(
     f: Callable[..., Any] | None = None,
     /,
@@ -102,14 +56,9 @@ def shard_map(
     axis_names: Iterable[str] = frozenset(),
     check_vma: bool = True,
     jit: bool = True,
-    static_argnums: int | Iterable[int] | None = None,
-    static_argnames: str | Iterable[str] | None = None,
-    donate_argnums: int | Iterable[int] | None = None,
-    donate_argnames: str | Iterable[str] | None = None,
     check_rep: bool | None = None,
     auto: Iterable[str] | None = None,
-    graph: bool | None = None,
-    graph_updates: bool | None = None,
+    **lift: Any,
 ) -> Any:
     """`jax.shard_map` over functions of NNX modules, optimizers and arrays, with write-back.
 
@@ -135,14 +84,11 @@ def shard_map(
         axis_names: The manual axes; empty: every axis of the mesh.
         check_vma: `jax.shard_map`'s varying-manual-axes check.
         jit: Wrap the map in `jax.jit`; False runs it eagerly (no donation).
-        static_argnums: Positions of static arguments, as in `jax.jit`.
-        static_argnames: Names of static arguments, as in `jax.jit`.
-        donate_argnums: Positions of donated arguments (needs `jit=True`).
-        donate_argnames: Names of donated arguments (needs `jit=True`).
         check_rep: The old name of `check_vma`; give one of the two.
         auto: The old complement of `axis_names`: the axes left automatic.
-        graph: `nnx.shard_map`'s: True or None; False is refused.
-        graph_updates: `nnx.shard_map`'s: True or None; False is refused.
+        **lift: The lift options, `ml.LiftOptions`: `static_argnums`, `static_argnames`,
+            `donate_argnums`, `donate_argnames` as in `jax.jit` (donation needs
+            `jit=True`); `graph`, `graph_updates` as in `nnx.shard_map` (True or None).
 
     Returns:
         The `Lifted` function, or, with `f=None`, a decorator making one.
@@ -188,12 +134,7 @@ def shard_map(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        graph=graph,
-        graph_updates=graph_updates,
+        **lift,
         **options,
     )
 
