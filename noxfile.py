@@ -49,9 +49,27 @@ TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis", "orbax-checkpoint", "cloud
 WORKERS = ("-n", "auto")  # 2 cores: 21 min -> 16 for `tests`, measured on a fresh clone
 
 
+def test_env(session: nox.Session, base: dict[str, str] = XLA_ENV) -> dict[str, str]:
+    """`base` with JAX's persistent compilation cache in the session's folder.
+
+    A program the suites compile again (one step under the jit and pjit backends, a
+    docs page and its test, the tree-mode run) is read back instead of compiled:
+    XLA's output for one program, devices and flags is the same either way, and the
+    tracing, lowering and in-memory caches are JAX's as usual. Measured on 2 cores,
+    the cache empty at the start: `tests`' 1,368 tests 12 min 2 s -> 9 min 6 s, then
+    tree mode's 865 2 min 57 s -> 1 min 7 s.
+    """
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(Path(session.create_tmp()) / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+    return base | cache
+
+
 def run_pytest(session: nox.Session, *paths: str) -> None:
     install(session, *TEST_TOOLS)
-    session.run("pytest", *WORKERS, *paths, *session.posargs, env=XLA_ENV)
+    session.run("pytest", *WORKERS, *paths, *session.posargs, env=test_env(session))
 
 
 # flax's tree mode switched on globally, as a user (or a later flax) may do: meshlift must
@@ -82,7 +100,8 @@ def tests_tree_mode(session: nox.Session) -> None:
 def run_tree_mode(session: nox.Session) -> None:
     check = "import flax; assert not flax.config.nnx_graph_mode, 'tree mode is not on'"
     session.run("python", "-c", check, env=TREE_MODE_ENV)
-    session.run("pytest", *WORKERS, *TREE_MODE_SUITES, *session.posargs, env=TREE_MODE_ENV)
+    env = test_env(session, TREE_MODE_ENV)
+    session.run("pytest", *WORKERS, *TREE_MODE_SUITES, *session.posargs, env=env)
 
 
 # (python, jax) pairs, each with its exact pins; the default pair is what `tests` runs.
@@ -117,7 +136,8 @@ def compat(session: nox.Session, jax: str) -> None:
         "'jax', jax.__version__, 'flax', flax.__version__)",
     )
     paths = [f"{path}/tests" for path in PACKAGES.values()]
-    session.run("pytest", *WORKERS, *paths, "integration_tests", *session.posargs, env=XLA_ENV)
+    env = test_env(session)
+    session.run("pytest", *WORKERS, *paths, "integration_tests", *session.posargs, env=env)
 
 
 # The differential oracle's tests: the core's (test_oracle.py) and every backend's kit run.
@@ -138,7 +158,7 @@ def fuzz(session: nox.Session) -> None:
         session.log(f"oracle seed {seed}: `nox -s fuzz -- --hypothesis-seed={seed}` repeats it")
         options.append(f"--hypothesis-seed={seed}")
     scale = {"MESHLIFT_ORACLE_FUZZ": os.environ.get("MESHLIFT_ORACLE_FUZZ", "20")}
-    session.run("pytest", *ORACLE_TESTS, *options, *session.posargs, env=XLA_ENV | scale)
+    session.run("pytest", *ORACLE_TESTS, *options, *session.posargs, env=test_env(session) | scale)
 
 
 @nox.session(tags=["oracle"])

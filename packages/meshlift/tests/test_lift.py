@@ -232,7 +232,7 @@ def test_jax_says_a_cache_miss_is_at_the_callers_line_and_argument(caplog):
         line = inspect.currentframe().f_lineno + 2  # the call's line
         with jax.explain_cache_misses(True), caplog.at_level("WARNING"):
             jit(second)
-        (message,) = (r.getMessage() for r in caplog.records if "CACHE MISS" in r.getMessage())
+        (message,) = (m for r in caplog.records if "TRACING CACHE MISS" in (m := r.getMessage()))
         return message, line
 
     def f(x):
