@@ -45,7 +45,7 @@ from meshlift import compat, resolve, speedups
 from meshlift.errors import StructureChangedError, TraceLeakError
 from meshlift.layout import Call, Layout
 from meshlift.paths import Path, format_path, listing
-from meshlift.pure import StaleLayout, TraceInfo, abstract_outputs
+from meshlift.pure import TraceInfo, abstract_outputs
 from meshlift.staged_errors import explain
 
 
@@ -74,8 +74,6 @@ def run(entry: Entry, staged: Any, call: Call) -> Any:
         _refuse_shared_donation(layout, inputs)
     try:
         outputs = staged(*inputs)
-    except StaleLayout:
-        raise
     except Exception as error:
         return recover(entry, error, staged, values, placed, call)
     return finish(entry, outputs, values, placed, call)
@@ -103,8 +101,6 @@ def recover(
         if moved is None and resharded is call:
             raise error
         outputs = staged(*layout.inputs(moved or placed or values, resharded))
-    except StaleLayout:
-        raise
     except Exception as final:
         if layout.donated:
             _note_consumed(layout, final, values)

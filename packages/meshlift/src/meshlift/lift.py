@@ -248,8 +248,6 @@ class Lifted(Generic[Params, Result]):
         values = entry.layout.split.gather
         try:
             outputs = plan.staged(*inputs)
-        except StaleLayout:
-            raise
         except Exception as error:
             call = Call.of_arguments(args, plan.node_positions, cached)
             return calls.recover(entry, error, plan.staged, values(), None, call)

@@ -92,10 +92,13 @@ class TraceInfo:
         return out if self.container is None else self.container(out)
 
 
-class StaleLayout(Exception):
+class StaleLayout(BaseException):
     """Raised as a staged function starts tracing: a Variable holds a value of another
     structure, shape or dtype than its layout was made for (see `held_types`). Not an
-    error: the caller makes a new layout, as on a first call."""
+    error: the lifted function makes a new layout, as on a first call (`Lifted._call`,
+    `Lifted._staged`). A BaseException, as `GeneratorExit` is, so that the `except
+    Exception` between the trace and the lifted function (JAX's, a backend's, meshlift's
+    own error handling) lets it through unchanged."""
 
 
 def held_types(values: Sequence[Any], scales: Sequence[Any] | None = None) -> tuple[Any, ...]:
