@@ -48,6 +48,12 @@ CAPABILITIES: Mapping[str, str] = MappingProxyType(
         "donation": "donate_argnums reuses the donated buffers",
         "multi-process": "runs on a mesh spanning jax.distributed processes",
         "call-site-mesh": "takes the mesh in context at each call (old pjit's `with mesh:`)",
+        "passes-through-none": "an argument leaf that is no array and whose spec is None "
+        "reaches the function unchanged (a Python int stays an int), compiled per value like "
+        "a static argument, as jax.shard_map passes it; otherwise JAX traces it as an array",
+        "reshards-arguments": "an argument array committed to another sharding than its "
+        "spec is moved onto it for the call, as jax.shard_map does; otherwise it is refused, "
+        "named, as jax.jit refuses it",
     }
 )
 """The capabilities a backend can claim, each with what it promises. The conformance
@@ -232,16 +238,12 @@ class Backend:
       `StageSpec.options` (old option names converted, spec arguments
       taken out).
 
-    `capabilities` name what the backend promises, from `CAPABILITIES`:
-    the conformance kit and the integration suite read them to pick the
-    cases it must pass; an unknown name is a ValueError. With
-    `passes_through_none`, an argument leaf that is not an array and whose
-    spec is `None` reaches the function unchanged (a Python `int` stays an
-    `int`), compiled per value like a static argument, as `jax.shard_map`
-    passes it. With `reshards_arguments`, an argument array committed to
-    another sharding than its spec is moved onto it for the call, as
-    `jax.shard_map` does (`jax.jit` refuses it, and so does meshlift by
-    default).
+    `capabilities` name what the backend does and promises, from
+    `CAPABILITIES`, one vocabulary: the core reads them (how a call's
+    arguments reach the function: `manual-collectives`,
+    `passes-through-none`, `reshards-arguments`), and the conformance kit
+    and the integration suite read them to pick the cases it must pass; an
+    unknown name is a ValueError.
 
     Made with keyword arguments, one per attribute; only `name` and `stage`
     are required.
@@ -260,10 +262,6 @@ class Backend:
             process (a plugin's: its entry point's distribution).
         capabilities: Names from `CAPABILITIES` that it promises; default: none.
         description: One line, shown by `ml.backends()` and `meshlift backends`.
-        passes_through_none: A non-array leaf whose spec is None reaches the function
-            unchanged; default False.
-        reshards_arguments: An argument committed to another sharding is moved onto its
-            spec; default False.
 
     Raises:
         TypeError: If `capabilities` is a string.
@@ -282,8 +280,6 @@ class Backend:
         default=frozenset(), converter=_capabilities, validator=_known
     )
     description: str = ""
-    passes_through_none: bool = False
-    reshards_arguments: bool = False
 
     @property
     def origin(self) -> str:

@@ -131,7 +131,9 @@ class Lifted(Generic[Params, Result]):
         self.specs = _checked_specs(self.backend, in_specs, out_specs, options)
         self.mesh = self.backend.read_mesh(mesh)
         self.options = self.backend.read_options(options)
-        per_shard = "manual-collectives" in self.backend.capabilities  # in its own mesh
+        traits = self.backend.capabilities
+        per_shard = "manual-collectives" in traits  # in its own mesh
+        self._passes_through_none = "passes-through-none" in traits
         self._sets_mesh = self.mesh is not None and not per_shard  # mesh= is a mesh context
         argnums = (lift or LiftOptions()).argnums
         self._receiver = methods.graph_receiver(fun)
@@ -420,7 +422,7 @@ class Lifted(Generic[Params, Result]):
             tuple(map(id, nodes)),
             mesh,
         )
-        if self.backend.passes_through_none:  # a leaf that is no array may be compiled in
+        if self._passes_through_none:  # a leaf that is no array may be compiled in
             key += tuple(pass_key(v) for i, v in enumerate(leaves) if i not in positions)
         call = Call(leaves, nodes)
         remember = modes.fast_paths
@@ -457,8 +459,8 @@ class Lifted(Generic[Params, Result]):
             signature=self.signature,
             names=self.names,
             specs=self.specs.on(mesh),
-            passes_through_none=self.backend.passes_through_none,
-            reshards_arguments=self.backend.reshards_arguments,
+            passes_through_none=self._passes_through_none,
+            reshards_arguments="reshards-arguments" in self.backend.capabilities,
         )
         staged = self._staged.get(layout.key)
         if staged is None:

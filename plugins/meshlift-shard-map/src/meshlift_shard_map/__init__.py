@@ -185,10 +185,16 @@ BACKEND = ml.Backend(
     read_options=normalize,
     version=__version__,
     distribution="meshlift-shard-map",
-    capabilities={"manual-collectives", "partial-manual", "vma-gradients", "stages", "donation"},
+    capabilities={
+        "manual-collectives",
+        "partial-manual",
+        "vma-gradients",
+        "stages",
+        "donation",
+        "passes-through-none",
+        "reshards-arguments",
+    },
     description="jax.shard_map under jax.jit: per-device code with hand-written collectives",
-    passes_through_none=True,
-    reshards_arguments=True,
 )
 
 

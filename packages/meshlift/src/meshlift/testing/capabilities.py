@@ -14,6 +14,8 @@ reads these:
 * `stages`: the staged callable has `trace` and `lower`; `Lowered.compile()`
   gives an object called like the function.
 * `donation`: `donate_argnums` reuses the donated buffers.
+* `passes-through-none`, `reshards-arguments`: how a call's arguments reach
+  the function (`meshlift.testing.traits`); the core reads these too.
 
 Example:
 

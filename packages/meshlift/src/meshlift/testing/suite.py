@@ -34,6 +34,7 @@ import meshlift as ml
 from meshlift.testing import corpus, oracle
 from meshlift.testing import models as M
 from meshlift.testing.capabilities import requires
+from meshlift.testing.traits import ArgumentTraits
 
 SCALAR = P()
 # A sample of the ecosystem corpus each backend runs: a schedule that changes itself in
@@ -71,7 +72,7 @@ def assert_arrays_equal(node, expected: dict, where: str, prefix: str | None = N
         )
 
 
-class TestConformance:
+class TestConformance(ArgumentTraits):
     """The conformance suite, one test per property; parametrized over `meshlift_backend`."""
 
     # -- the backend object -------------------------------------------------------------------
