@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.sharding import AbstractMesh, Mesh
 
@@ -57,39 +57,46 @@ def plan_after(entry: Entry, call: Call, mesh_option: Any) -> speedups.CallPlan 
     layout = entry.layout
     runs = _runs_in_c(entry, mesh_option)
     if runs is None:  # it only skips the lookup
-        mesh_source, mesh, slot, array_type, info = None, None, None, None, None
-        kept: tuple = ()
-        donated: tuple = ()
-        targets: tuple = ()
+        runs, kept, donated, info = InC(), (), (), None
     else:
-        mesh_source, mesh, slot, variables, targets, array_type = runs
-        kept, donated = (tuple(map(variables.__getitem__, g)) for g in layout.var_groups)
+        kept, donated = (tuple(map(runs.variables.__getitem__, g)) for g in layout.var_groups)
         info = entry.info
     kept_dyn, donated_dyn = layout.dyn_groups  # positions of leaves, here of arguments
     return speedups.CallPlan(
-        mesh_source=mesh_source,
-        mesh=mesh,
+        mesh_source=runs.mesh_source,
+        mesh=runs.mesh,
         types=tuple(map(type, args)),
         node_positions=positions,
         node_refs=refs,
         unchanged=layout.split.unchanged,
-        slot=slot,
+        slot=runs.slot,
         variables=kept,
         dyn_positions=kept_dyn,
         donated_variables=donated,
         donated_dyn_positions=donated_dyn,
         info=info,
         changed=entry.info.changed,
-        targets=targets,
-        array_type=array_type,
+        targets=runs.targets,
+        array_type=runs.array_type,
         staged=entry.staged,
         entry=entry,
     )
 
 
-def _runs_in_c(entry: Entry, mesh_option: Any) -> tuple[Any, Any, Any, tuple, tuple, type] | None:
-    """`(mesh_source, mesh, slot, variables, targets, array_type)` with which the C steps
-    run calls like the last one, which ran `entry`; None where they cannot."""
+class InC(NamedTuple):
+    """How the C steps run calls like the last one (`InC()`: they do not)."""
+
+    mesh_source: Callable[[], Any] | None = None  # None: `mesh` is the call's mesh
+    mesh: Any = None
+    slot: Any = None  # where each Variable's array is read from and written to
+    variables: tuple[Any, ...] = ()  # the Variables the inputs are read from, split order
+    targets: tuple[Any, ...] = ()  # the Variables the changed outputs are written to
+    array_type: type | None = None
+
+
+def _runs_in_c(entry: Entry, mesh_option: Any) -> InC | None:
+    """How the C steps run calls like the last one, which ran `entry`; None where they
+    cannot."""
     layout, info = entry.layout, entry.info
     assert info is not None
     if info.update is not None or info.outputs.graphdefs or info.container is not None:
@@ -110,4 +117,4 @@ def _runs_in_c(entry: Entry, mesh_option: Any) -> tuple[Any, Any, Any, tuple, tu
     slot, variables, targets = access
     if not all(type(value) is array_type for value in speedups.read_each(slot, targets)):
         return None  # a typed key, a container changed in place: each call would miss
-    return mesh_source, mesh, slot, variables, targets, array_type
+    return InC(mesh_source, mesh, slot, variables, targets, array_type)
