@@ -368,8 +368,7 @@ def _target(where: Any, path: str) -> tuple[Any, str] | None:
 
 
 def _get(where: Any, path: str) -> Any:
-    found = _target(where, path)
-    return None if found is None else getattr(found[0], found[1], None)
+    return None if (found := _target(where, path)) is None else getattr(*found, None)
 
 
 def _is_data(value: Any) -> bool:
