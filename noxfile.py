@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +47,9 @@ def install(session: nox.Session, *extra: str, constraints: str = "constraints.t
 # (meshlift.testing.oracle); cloudpickle: lifted functions pickle as jax.jit's do;
 # pytest-xdist: the suites run on one worker per core (`-- -n 0`: in one process)
 TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis", "orbax-checkpoint", "cloudpickle")
-WORKERS = ("-n", "auto")  # 2 cores: 21 min -> 16 for `tests`, measured on a fresh clone
+# 2 cores: 21 min -> 16 for `tests`, measured on a fresh clone; a worker that runs out of
+# tests takes some of the other's (worksteal), so neither waits at the end
+WORKERS = ("-n", "auto", "--dist", "worksteal")
 
 
 def test_env(session: nox.Session, base: dict[str, str] = XLA_ENV) -> dict[str, str]:
@@ -85,9 +88,15 @@ TREE_MODE_SUITES = [
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: every package's unit tests, the integration suite, tree mode."""
-    run_pytest(session, *(f"{path}/tests" for path in PACKAGES.values()), "integration_tests")
-    run_tree_mode(session)
+    """Everything CI runs: the integration suite and every package's unit tests (the long
+    tests first, so the short ones fill the end), then tree mode on the tests whose run
+    reads flax's graph-mode flag (the others run the same code in either mode; conftest.py
+    records who reads it)."""
+    readers = Path(session.create_tmp()) / "graph-mode-readers"
+    shutil.rmtree(readers, ignore_errors=True)
+    packages = (f"{path}/tests" for path in PACKAGES.values())
+    run_pytest(session, "integration_tests", *packages, f"--graph-mode-readers=record:{readers}")
+    run_tree_mode(session, f"--graph-mode-readers=only:{readers}")
 
 
 @nox.session(name="tests-tree-mode", tags=["tree-mode"])
@@ -97,11 +106,11 @@ def tests_tree_mode(session: nox.Session) -> None:
     run_tree_mode(session)
 
 
-def run_tree_mode(session: nox.Session) -> None:
+def run_tree_mode(session: nox.Session, *options: str) -> None:
     check = "import flax; assert not flax.config.nnx_graph_mode, 'tree mode is not on'"
     session.run("python", "-c", check, env=TREE_MODE_ENV)
     env = test_env(session, TREE_MODE_ENV)
-    session.run("pytest", *WORKERS, *TREE_MODE_SUITES, *session.posargs, env=env)
+    session.run("pytest", *WORKERS, *TREE_MODE_SUITES, *options, *session.posargs, env=env)
 
 
 # (python, jax) pairs, each with its exact pins; the default pair is what `tests` runs.
