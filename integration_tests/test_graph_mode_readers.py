@@ -30,8 +30,16 @@ def test_under_graph_mode():
 """
 
 
-def test_tree_mode_runs_the_tests_that_read_the_flag(pytester):
+def project(pytester):
+    """A project of its own (its ini: no conftest.py above it is read, wherever the
+    temporary folder is, as under nox's, inside this repository) with this conftest.py."""
+    pytester.makeini("[pytest]\n")
     pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(test_models=TESTS)
+
+
+def test_tree_mode_runs_the_tests_that_read_the_flag(pytester):
+    project(pytester)
     pytester.makepyfile(test_models=TESTS)
     folder = pytester.path / "readers"
     pytester.runpytest_subprocess(f"--graph-mode-readers=record:{folder}").assert_outcomes(passed=4)
@@ -48,8 +56,7 @@ def test_tree_mode_runs_the_tests_that_read_the_flag(pytester):
 
 
 def test_selecting_without_a_record_is_a_usage_error(pytester):
-    pytester.makeconftest(CONFTEST.read_text())
-    pytester.makepyfile(test_models=TESTS)
+    project(pytester)
     result = pytester.runpytest_subprocess(f"--graph-mode-readers=only:{pytester.path / 'none'}")
     assert result.ret == 4  # pytest's usage error
     result.stderr.fnmatch_lines(["*found no record there*record:*first*"])
