@@ -16,7 +16,6 @@ run the same code either way. `nox -s tests-tree-mode` runs every test.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -35,10 +34,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 class Recorder:
     """Who reads the flag, while this process runs tests: one line per reader."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, worker: str) -> None:
         from flax.configurations import Config
 
-        self.folder, self.readers = folder, set()
+        self.folder, self.worker, self.readers = folder, worker, set()
         self.test: str | None = None
         self.fixtures: list[str] = []
         self.module: str | None = None
@@ -87,8 +86,8 @@ class Recorder:
 
     def pytest_sessionfinish(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        (self.folder / f"{worker}.txt").write_text("".join(f"{r}\n" for r in sorted(self.readers)))
+        text = "".join(f"{reader}\n" for reader in sorted(self.readers))
+        (self.folder / f"{self.worker}.txt").write_text(text)
 
 
 class Selector:
@@ -133,5 +132,9 @@ def pytest_configure(config: pytest.Config) -> None:
     mode, _, folder = option.partition(":")
     if mode not in ("record", "only") or not folder:
         raise pytest.UsageError(f"--graph-mode-readers takes record:DIR or only:DIR, got {option}")
-    plugin = Recorder(Path(folder)) if mode == "record" else Selector(Path(folder))
+    if mode == "record":  # one record per process: pytest-xdist's worker, or "main"
+        worker = getattr(config, "workerinput", {}).get("workerid", "main")
+        plugin: object = Recorder(Path(folder), worker)
+    else:
+        plugin = Selector(Path(folder))
     config.pluginmanager.register(plugin, "graph-mode-readers")

@@ -32,6 +32,8 @@ def site(tmp_path, monkeypatch):
     monkeypatch.setenv(plugins.DISABLE_ENV, ",".join(real))
     monkeypatch.delenv(plugins.STRICT_ENV, raising=False)
     monkeypatch.syspath_prepend(tmp_path)
+    for module in ("toy_cli_plugin", "broken_cli_plugin"):  # an earlier test's, imported
+        monkeypatch.delitem(sys.modules, module, raising=False)
     plugins.reset_registry()
     yield tmp_path
     plugins.reset_registry()
