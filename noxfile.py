@@ -47,9 +47,7 @@ def install(session: nox.Session, *extra: str, constraints: str = "constraints.t
 # (meshlift.testing.oracle); cloudpickle: lifted functions pickle as jax.jit's do;
 # pytest-xdist: the suites run on one worker per core (`-- -n 0`: in one process)
 TEST_TOOLS = ("pytest", "pytest-xdist", "hypothesis", "orbax-checkpoint", "cloudpickle")
-# 2 cores: 21 min -> 16 for `tests`, measured on a fresh clone; a worker that runs out of
-# tests takes some of the other's (worksteal), so neither waits at the end
-WORKERS = ("-n", "auto", "--dist", "worksteal")
+WORKERS = ("-n", "auto")  # 2 cores: 21 min -> 16 for `tests`, measured on a fresh clone
 
 
 def test_env(session: nox.Session, base: dict[str, str] = XLA_ENV) -> dict[str, str]:
@@ -88,14 +86,13 @@ TREE_MODE_SUITES = [
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: the integration suite and every package's unit tests (the long
-    tests first, so the short ones fill the end), then tree mode on the tests whose run
-    reads flax's graph-mode flag (the others run the same code in either mode; conftest.py
-    records who reads it)."""
+    """Everything CI runs: every package's unit tests and the integration suite, then tree
+    mode on the tests whose run reads flax's graph-mode flag (the others run the same code
+    in either mode; conftest.py records who reads it)."""
     readers = Path(session.create_tmp()) / "graph-mode-readers"
     shutil.rmtree(readers, ignore_errors=True)
     packages = (f"{path}/tests" for path in PACKAGES.values())
-    run_pytest(session, "integration_tests", *packages, f"--graph-mode-readers=record:{readers}")
+    run_pytest(session, *packages, "integration_tests", f"--graph-mode-readers=record:{readers}")
     run_tree_mode(session, f"--graph-mode-readers=only:{readers}")
 
 
