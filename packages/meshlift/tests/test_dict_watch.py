@@ -1,9 +1,10 @@
-"""dict_watch: the change counter behind the O(1) structure check (CPython 3.12's dict watchers).
+"""dict_watch: how plain dicts tell the structure check of their changes.
 
-Where the interpreter has no dict watchers (3.11) `available()` is False and
-watching is a no-op: the structure check then compares every attribute, which
-test_graph covers on every Python. Where it has them, every way of changing a
-watched dict must move the counter, or the check would miss a change.
+CPython 3.12's dict watchers move one counter on any change to a watched
+dict; on CPython 3.11 each dict's version tag (PEP 509) moves instead. Every
+way of changing a dict must move one or the other, or the check would miss a
+change. Where neither is available the structure check compares every
+attribute, which test_graph covers on every Python.
 """
 
 import platform
@@ -11,9 +12,10 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
-from meshlift import dict_watch
+from meshlift import dict_watch, speedups
 
 
 def test_available_on_cpython_3_12_and_never_before():
@@ -65,6 +67,44 @@ def test_every_change_to_a_watched_dict_moves_the_counter():
         change(block)
         moved = dict_watch.changes() != before
         assert moved == dict_watch.available(), name
+
+
+def test_version_tags_on_cpython_3_11_only():
+    if sys.version_info[:2] == (3, 11) and platform.python_implementation() == "CPython":
+        assert dict_watch.versions_available()
+    else:
+        assert not dict_watch.versions_available()
+
+
+def dicts_of(block):
+    metadata = object.__getattribute__(block.linear.kernel, "_var_metadata")
+    return (vars(block), vars(block.linear), vars(block.drop), metadata)
+
+
+tagged = pytest.mark.skipif(
+    not dict_watch.versions_available(), reason="dict version tags are read on CPython 3.11"
+)
+
+
+@tagged
+def test_every_change_to_a_dict_moves_its_version_tag():
+    for name, change in CHANGES.items():
+        block = Block()
+        dicts = dicts_of(block)
+        before = speedups.dict_versions(dicts)
+        change(block)
+        assert speedups.dict_versions(dicts) != before, name
+
+
+@tagged
+def test_reading_and_calling_do_not_move_version_tags():
+    block = Block()
+    dicts = dicts_of(block)
+    before = speedups.dict_versions(dicts)
+    block.linear(jnp.ones((1, 2)))
+    _ = block.width, block.linear.kernel[...]
+    block.linear.kernel[...] = jnp.zeros((2, 2))
+    assert speedups.dict_versions(dicts) == before
 
 
 def test_reading_and_calling_do_not_move_the_counter():

@@ -70,23 +70,27 @@ def path_kind(request, monkeypatch):
 
 def use_python_loops(monkeypatch):
     """`meshlift.speedups` as installed without a C compiler: the pure-Python twins."""
-    for name in ("read_each", "read_each_is", "write_each", "same_dicts", "same_items"):
+    loops = ("read_each", "read_each_is", "write_each", "same_dicts", "same_items")
+    for name in (*loops, "same_structure"):
         monkeypatch.setattr(speedups, name, getattr(speedups, f"_{name}"))
+    monkeypatch.setattr(dict_watch, "versions_available", lambda: False)  # read in C only
 
 
 STRUCTURE_CHECKS = [
     "comparison",
     "comparison, Python loops",
     *(["dict watchers"] if dict_watch.available() else []),
+    *(["dict version tags"] if dict_watch.versions_available() else []),
 ]
 
 
 @pytest.fixture(params=STRUCTURE_CHECKS)
 def structure_check(request, monkeypatch):
-    """Check structure with dict watchers (CPython 3.12) and by comparing every item (else),
-    in C and in Python."""
+    """Check structure as dicts tell of their changes (dict watchers on CPython 3.12, version
+    tags on 3.11) and by comparing every item (elsewhere), in C and in Python."""
     if request.param.startswith("comparison"):
         monkeypatch.setattr(dict_watch, "available", lambda: False)
+        monkeypatch.setattr(dict_watch, "versions_available", lambda: False)
     if request.param.endswith("Python loops"):
         use_python_loops(monkeypatch)
     return request.param

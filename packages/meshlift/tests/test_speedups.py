@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from meshlift import _speedups, compat, speedups
+from meshlift import _speedups, compat, dict_watch, speedups
 
 TWINS = {
     "C": _speedups,
@@ -354,3 +354,43 @@ def test_a_plan_is_made_by_keyword_with_tuples_and_is_read_only(impl):
     assert [getattr(plan, name) for name in fields] == list(fields.values())
     with pytest.raises(AttributeError):
         plan.mesh = None
+
+
+def test_same_structure(impl):
+    class Plain:
+        pass
+
+    a, b, box = Plain(), Plain(), Box({"tag": 1})
+    holders, held = (a, weakref.ref(b)), (vars(a), vars(b))
+    metadata = (box.item,)
+    args = [holders, held, (a, box), (Plain, Box), SLOT, (box,), metadata, (), ()]
+    assert impl.same_structure(*args)
+    assert impl.same_structure(*args[:4], None, (), (), (), ())
+    box.item = {"tag": 1}  # an equal dict, another object
+    assert not impl.same_structure(*args)
+    box.item = metadata[0]
+    a.__class__ = type("Other", (), {})
+    assert not impl.same_structure(*args)
+    a.__class__ = Plain
+    b.__dict__ = {}
+    assert not impl.same_structure(*args)
+
+
+@pytest.mark.skipif(
+    not dict_watch.versions_available(), reason="dict version tags are read on CPython 3.11"
+)
+def test_dict_versions_move_on_a_change_and_same_structure_compares_them(impl):
+    d, e = {"a": 1}, {}
+    tags = _speedups.dict_versions((d, e))
+    assert _speedups.dict_versions((d, e)) == tags
+    assert impl.same_structure((), (), (), (), None, (), (), (d, e), tags)
+    d["a"] = 2
+    assert _speedups.dict_versions((d, e))[0] != tags[0]
+    assert not impl.same_structure((), (), (), (), None, (), (), (d, e), tags)
+    with pytest.raises(TypeError, match="expected dicts, got OrderedDict"):
+        _speedups.dict_versions((collections.OrderedDict(),))
+
+
+def test_dict_versions_are_read_by_the_c_extension_only():
+    with pytest.raises(NotImplementedError, match="C extension only"):
+        speedups._dict_versions(({},))

@@ -109,6 +109,55 @@ def test_a_call_that_raises_undoes_the_change():
     assert model.config.n == 0
 
 
+def remember_shape(m, x):
+    if x.shape not in m.config.seen:  # a memo filled on first use of each shape
+        m.config.seen.append(x.shape)
+    return m.w[...][: x.shape[0]] * x
+
+
+def memo_model():
+    model = nnx.Module()
+    model.config, model.w = Counter(), nnx.Param(jnp.ones(3))
+    model.config.seen = []
+    return model
+
+
+def test_a_repeated_call_whose_program_traces_again_keeps_the_change(monkeypatch):
+    # A call like the last runs on its plan; a new input shape makes JAX trace again there.
+    from meshlift import static_changes
+
+    adopted, adopt = [], static_changes.adopt
+
+    def adopt_and_note(since):
+        token = adopt(since)
+        adopted.append(static_changes.pending())
+        return token
+
+    monkeypatch.setattr(static_changes, "adopt", adopt_and_note)
+    model, eager, lifted = memo_model(), memo_model(), ml.jit(remember_shape)
+    for size in (2, 2, 2, 3, 3, 3, 2):
+        x = jnp.arange(size, dtype=jnp.float32)
+        np.testing.assert_array_equal(lifted(model, x), remember_shape(eager, x))
+        assert model.config.seen == eager.config.seen
+    # the plan's program traced again for (3,), and that call took the change as its own
+    assert [paths for paths in adopted if paths] == [("m.config",)]
+
+
+def test_a_repeated_call_whose_program_fails_undoes_the_change():
+    def remember_then_fail(m, x):
+        remember_shape(m, x)
+        return jnp.ones(2) + x  # fails for any shape but (2,), after the memo changed
+
+    model, lifted = memo_model(), ml.jit(remember_then_fail)
+    for _ in range(3):
+        lifted(model, jnp.ones(2))
+    assert lifted._plan is not None and model.config.seen == [(2,)]
+    with pytest.raises(TypeError, match="incompatible shapes"):
+        lifted(model, jnp.ones(3))
+    assert model.config.seen == [(2,)]
+    np.testing.assert_array_equal(lifted(model, jnp.ones(2)), 2 * jnp.ones(2))
+
+
 def test_stages_undo_the_change_and_the_next_call_runs_the_python():
     model, eager, x = counted_model(), counted_model(), jnp.ones(2)
     lifted = ml.jit(count_and_scale)

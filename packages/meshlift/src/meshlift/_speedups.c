@@ -28,6 +28,7 @@
 #include <Python.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdint.h> /* uint64_t: the version tag of CPython 3.11's dicts */
 #include <stdlib.h> /* qsort, bsearch: Python.h leaves them out under the limited API */
 #include <string.h> /* strcmp */
 #include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY: in the limited API */
@@ -315,6 +316,114 @@ same_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (at != total) {
         Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* CPython 3.11's dict, up to its version tag (PEP 509; Include/cpython/dictobject.h):
+ * every change to a dict gives it a new tag from one global counter. Limited API: the
+ * struct is not in it; dict_versions reads it only on 3.11 (Py_Version, in the stable ABI
+ * since 3.11), and meshlift.dict_watch uses it only after probing that every kind of
+ * change moves it. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t ma_used;
+    uint64_t ma_version_tag;
+} dict_head_311;
+
+/* The version tag of `dict` (an exact dict), or -1 with an error where it is not read. */
+static int
+version_of(PyObject *dict, unsigned long long *tag)
+{
+    if ((Py_Version & 0xFFFF0000) != 0x030B0000) {
+        PyErr_SetString(PyExc_NotImplementedError,
+                        "dict_versions(): dict version tags are read on CPython 3.11 only");
+        return -1;
+    }
+    if (!PyDict_CheckExact(dict)) {
+        error_naming_type(PyExc_TypeError, dict, "dict_versions(): expected dicts, got ");
+        return -1;
+    }
+    *tag = ((dict_head_311 *)dict)->ma_version_tag;
+    return 0;
+}
+
+/* dict_versions(dicts) -> the version tag of each exact dict (CPython 3.11 only) */
+static PyObject *
+dict_versions(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"dicts"};
+    if (check_args("dict_versions", args, nargs, 1, names) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_Size(args[0]);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long tag;
+        PyObject *version = version_of(PyTuple_GetItem(args[0], i), &tag) < 0
+                                ? NULL : PyLong_FromUnsignedLongLong(tag);
+        if (version == NULL || PyTuple_SetItem(out, i, version) < 0) { /* as in read_all */
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* same_structure(holders, held, typed, types, slot, variables, metadata, dicts, versions)
+ * -> whether each holder holds its attribute dict (same_dicts), each of `typed` is still
+ * of its type (`type(o) is t`), each of `variables` holds the `metadata` at its position
+ * in `slot` (None: not read), and each of `dicts` has its version tag. */
+static PyObject *
+same_structure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"holders", "held", "typed", "types", NULL,
+                                        "variables", "metadata", "dicts", "versions"};
+    if (check_args("same_structure", args, nargs, 9, names) < 0) {
+        return NULL;
+    }
+    PyObject *verdict = same_dicts(module, args, 2);
+    if (verdict != Py_True) {
+        return verdict;
+    }
+    Py_DECREF(verdict);
+    PyObject *typed = args[2], *types = args[3];
+    Py_ssize_t n = PyTuple_Size(typed);
+    if (PyTuple_Size(types) != n) {
+        Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((PyObject *)Py_TYPE(PyTuple_GetItem(typed, i)) != PyTuple_GetItem(types, i)) {
+            Py_RETURN_FALSE;
+        }
+    }
+    if (args[4] != Py_None) {
+        verdict = read_each_is(module, args + 4, 3);
+        if (verdict != Py_True) {
+            return verdict;
+        }
+        Py_DECREF(verdict);
+    }
+    PyObject *dicts = args[7], *versions = args[8];
+    n = PyTuple_Size(dicts);
+    if (PyTuple_Size(versions) != n) {
+        Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long tag;
+        if (version_of(PyTuple_GetItem(dicts, i), &tag) < 0) {
+            return NULL;
+        }
+        unsigned long long before = PyLong_AsUnsignedLongLong(PyTuple_GetItem(versions, i));
+        if (before == (unsigned long long)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (tag != before) {
+            Py_RETURN_FALSE;
+        }
     }
     Py_RETURN_TRUE;
 }
@@ -748,6 +857,11 @@ static PyMethodDef methods[] = {
      "same_dicts(holders, dicts) -> whether each holder (or weakref's referent) has that __dict__"},
     {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
      "same_items(dicts, sizes, keys, values) -> whether the dicts hold these items"},
+    {"dict_versions", (PyCFunction)(void (*)(void))dict_versions, METH_FASTCALL,
+     "dict_versions(dicts) -> each exact dict's version tag (CPython 3.11 only)"},
+    {"same_structure", (PyCFunction)(void (*)(void))same_structure, METH_FASTCALL,
+     "same_structure(holders, held, typed, types, slot, variables, metadata, dicts, versions)"
+     " -> whether none of them changed"},
     {"plan_matches", (PyCFunction)(void (*)(void))plan_matches, METH_FASTCALL,
      "plan_matches(plan, args) -> whether a call with these arguments may run the plan's entry"},
     {"plan_inputs", (PyCFunction)(void (*)(void))plan_inputs, METH_FASTCALL,

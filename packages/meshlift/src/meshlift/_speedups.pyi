@@ -15,6 +15,19 @@ def same_items(
     values: tuple[Any, ...],
     /,
 ) -> bool: ...
+def same_structure(
+    holders: tuple[Any, ...],
+    held: tuple[dict, ...],
+    typed: tuple[Any, ...],
+    types: tuple[type, ...],
+    slot: Any,
+    variables: tuple[Any, ...],
+    metadata: tuple[Any, ...],
+    dicts: tuple[dict, ...],
+    versions: tuple[int, ...],
+    /,
+) -> bool: ...
+def dict_versions(dicts: tuple[dict, ...], /) -> tuple[int, ...]: ...
 def plan_matches(plan: CallPlan, args: tuple[Any, ...], /) -> bool: ...
 def plan_inputs(plan: CallPlan, args: tuple[Any, ...], /) -> tuple[tuple[Any, ...], ...] | None: ...
 def plan_write(plan: CallPlan, outputs: Any, /) -> bool: ...

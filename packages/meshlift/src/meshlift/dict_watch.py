@@ -11,7 +11,11 @@ comparing one number instead of every attribute.
 `available()` probes once that every kind of change is reported. Where it is
 not (Python 3.11; another interpreter; CPython 3.13.0, where an attribute
 stored on an object's inline values changes without telling its dict's
-watchers), it is False and the Watcher compares every attribute instead.
+watchers), it is False. On CPython 3.11 a dict tells of its changes another
+way: its version tag (PEP 509), which every change sets anew from one global
+counter; `versions_available()` probes that every kind of change moves it
+(read by `speedups.dict_versions`), and the Watcher then compares one tag per
+dict. Where neither is available it compares every attribute.
 
 Example:
 
@@ -60,6 +64,19 @@ def changes() -> float:
 def available() -> bool:
     """Whether watched dicts report every change (probed once)."""
     return _watcher() is not None
+
+
+@functools.cache
+def versions_available() -> bool:
+    """Whether `speedups.dict_versions` reads a tag that moves on every change of a dict
+    (CPython 3.11 with meshlift's C extension; probed once)."""
+    from meshlift import speedups
+
+    if platform.python_implementation() != "CPython" or sys.version_info[:2] != (3, 11):
+        return False
+    if not speedups.COMPILED:
+        return False
+    return _moves_on_every_change(lambda attributes: lambda: speedups.dict_versions((attributes,)))
 
 
 def watch(dicts: Iterable[dict]) -> None:
@@ -120,7 +137,7 @@ def _watcher() -> _Api | None:
         api = _Api()
     except (ImportError, AttributeError, OSError, RuntimeError, ValueError):  # no C API here
         return None
-    if not _reports_every_change(api):
+    if not _moves_on_every_change(lambda attributes: (api.watch(attributes), changes)[1]):
         api.close()
         return None
     return api
@@ -137,10 +154,12 @@ def _store(obj: Any, value: int) -> None:
     obj.a = value  # one bytecode the interpreter specialises after a few runs
 
 
-def _reports_every_change(api: _Api) -> bool:
+def _moves_on_every_change(start: Callable[[dict], Callable[[], Any]]) -> bool:
+    """Whether the reading that `start(attributes)` returns moves on each kind of change to
+    an object's attribute dict."""
     obj = _Probe()
     attributes = vars(obj)
-    api.watch(attributes)
+    read = start(attributes)
     edits: list[Callable[[], Any]] = [
         *(functools.partial(_store, obj, i) for i in range(1, 65)),
         functools.partial(object.__setattr__, obj, "a", -1),
@@ -148,11 +167,14 @@ def _reports_every_change(api: _Api) -> bool:
         functools.partial(delattr, obj, "b"),
         functools.partial(attributes.__setitem__, "c", 2),
         functools.partial(attributes.update, c=3),
+        functools.partial(attributes.setdefault, "d", 4),
+        functools.partial(attributes.pop, "d"),
+        attributes.popitem,
         attributes.clear,
     ]
     for edit in edits:
-        before = changes()
+        before = read()
         edit()
-        if changes() == before:
+        if read() == before:
             return False
     return True

@@ -213,9 +213,27 @@ class Lifted(Generic[Params, Result]):
         cached = self._graph_context.tmp_static_cache is not None
         if cached:  # called by nnx.cached_partial: take its cache, as flax's transforms do
             self._graph_context.tmp_static_cache = None
-        traced = static_changes.begin()  # a trace's changes in place: kept if the call succeeds
+        plan = self._plan
+        if plan is not None and not kwargs and not static_changes.collecting():
+            inputs = speedups.plan_inputs(plan, args)
+            if inputs is not None:  # a call like the last: its program, on the plan
+                recorded = static_changes.recorded()
+                try:
+                    outputs = plan.staged(*inputs)
+                except BaseException as error:
+                    adopted = static_changes.adopt(recorded)
+                    return self._keeping(adopted, self._planned_error, plan, args, error, cached)
+                if static_changes.recorded() == recorded and speedups.plan_write(plan, outputs):
+                    return outputs[2]
+                adopted = static_changes.adopt(recorded)  # its trace changed a static value
+                return self._keeping(adopted, self._planned_rest, plan, args, outputs, cached)
+        return self._keeping(static_changes.begin(), self._call, args, kwargs, cached)
+
+    def _keeping(self, traced: Any, run: Callable[..., Any], *args: Any) -> Any:
+        """`run(*args)`, keeping what its traces changed in place (collected since `traced`)
+        if it succeeds, else undoing it."""
         try:
-            result = self._call(args, kwargs, cached)
+            result = run(*args)
         except BaseException as error:
             if stuck := static_changes.end(traced, keep=False):
                 error.add_note(f"meshlift could not undo the change in place of {listing(stuck)}")
@@ -224,15 +242,16 @@ class Lifted(Generic[Params, Result]):
         return result
 
     def _call(self, args: tuple, kwargs: dict, cached: bool) -> Any:
-        plan = self._plan
+        """A call the last one's plan does not fit: its entry found (or made), then run."""
         try:
-            if plan is not None and not kwargs and plan.slot is not None:
-                inputs = speedups.plan_inputs(plan, args)
-                if inputs is not None:
-                    return self._run_planned(plan, args, inputs, cached)
             return self._run(*self._entry(args, kwargs), cached)
-        except StaleLayout:  # a Variable holds another kind of value than its layout's
-            return self._run(*self._entry(args, kwargs, fresh=True), cached)
+        except StaleLayout:
+            return self._run_fresh(args, kwargs, cached)
+
+    def _run_fresh(self, args: tuple, kwargs: dict, cached: bool) -> Any:
+        """A call on a new layout: a Variable holds another kind of value than its entry's
+        layout was made for (`StaleLayout`)."""
+        return self._run(*self._entry(args, kwargs, fresh=True), cached)
 
     def _run(self, entry: Entry, call: Call, cached: bool) -> Any:
         """Run `entry` for `call`, and keep the plan for calls like it."""
@@ -241,22 +260,34 @@ class Lifted(Generic[Params, Result]):
         self._plan = self._plan_after(entry, call)
         return result
 
-    def _run_planned(
-        self, plan: speedups.CallPlan, args: tuple, inputs: tuple, cached: bool
+    def _planned_error(
+        self, plan: speedups.CallPlan, args: tuple, error: BaseException, cached: bool
     ) -> Any:
-        """A call that `plan` matched: its inputs read, its outputs written back, each in
-        one step; an error, a retrace or a value that is no array goes the general way."""
-        entry = plan.entry
-        values = entry.layout.split.gather
-        try:
-            outputs = plan.staged(*inputs)
-        except Exception as error:
-            call = Call.of_arguments(args, plan.node_positions, cached)
-            return calls.recover(entry, error, plan.staged, values(), None, call)
-        if not static_changes.pending() and speedups.plan_write(plan, outputs):
-            return outputs[2]
+        """The program of a call that `plan` matched raised `error`: the call made again
+        where JAX refused an array's sharding, else `error` in the caller's names."""
+        if isinstance(error, StaleLayout):
+            return self._run_fresh(args, {}, cached)
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit
+            raise error
         call = Call.of_arguments(args, plan.node_positions, cached)
-        result = calls.finish(entry, outputs, values(), None, call)
+        values = plan.entry.layout.split.gather()
+        try:
+            return calls.recover(plan.entry, error, plan.staged, values, None, call)
+        except StaleLayout:
+            return self._run_fresh(args, {}, cached)
+
+    def _planned_rest(
+        self, plan: speedups.CallPlan, args: tuple, outputs: Any, cached: bool
+    ) -> Any:
+        """The outputs of a call that `plan` matched, which its C step did not write back
+        (its trace changed a static value; a value that is no array): written back the
+        general way."""
+        entry = plan.entry
+        call = Call.of_arguments(args, plan.node_positions, cached)
+        try:
+            result = calls.finish(entry, outputs, entry.layout.split.gather(), None, call)
+        except StaleLayout:
+            return self._run_fresh(args, {}, cached)
         self._plan = self._plan_after(entry, call)
         return result
 

@@ -90,6 +90,34 @@ def _same_items(
     return all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), values))
 
 
+def _same_structure(
+    holders: tuple[Any, ...],
+    held: tuple[dict, ...],
+    typed: tuple[Any, ...],
+    types: tuple[type, ...],
+    slot: Any,
+    variables: tuple[Any, ...],
+    metadata: tuple[Any, ...],
+    dicts: tuple[dict, ...],
+    versions: tuple[int, ...],
+) -> bool:
+    """Whether each holder holds its attribute dict (`same_dicts`), each of `typed` is still
+    of its type, each of `variables` holds the `metadata` at its position in `slot` (None:
+    not read), and each of `dicts` has its version tag (`dict_versions`, read in C)."""
+    return (
+        _same_dicts(holders, held)
+        and len(typed) == len(types)
+        and all(map(operator.is_, map(type, typed), types))
+        and (slot is None or _read_each_is(slot, variables, metadata))
+        and ((not dicts and not versions) or dict_versions(dicts) == versions)
+    )
+
+
+def _dict_versions(dicts: tuple[dict, ...]) -> tuple[int, ...]:
+    """Each dict's version tag (PEP 509): CPython 3.11's, read by the C extension only."""
+    raise NotImplementedError("dict_versions(): read by meshlift's C extension only")
+
+
 _PLAN_FIELDS = (
     "mesh_source",
     "mesh",
@@ -245,6 +273,7 @@ def _plan_write(plan: CallPlan, outputs: Any) -> bool:
 try:
     from meshlift._speedups import CallPlan as _CompiledCallPlan
     from meshlift._speedups import (
+        dict_versions,
         plan_inputs,
         plan_matches,
         plan_write,
@@ -252,6 +281,7 @@ try:
         read_each_is,
         same_dicts,
         same_items,
+        same_structure,
         write_each,
     )
 except ImportError:  # built without a C compiler: the twins above
@@ -263,6 +293,7 @@ except ImportError:  # built without a C compiler: the twins above
         _same_dicts,
         _same_items,
     )
+    same_structure, dict_versions = _same_structure, _dict_versions
     plan_matches, plan_inputs, plan_write = _plan_matches, _plan_inputs, _plan_write
 else:
     COMPILED = True
@@ -275,6 +306,7 @@ LOOPS = (
     "write_each",
     "same_dicts",
     "same_items",
+    "same_structure",
     "plan_matches",
     "plan_inputs",
     "plan_write",

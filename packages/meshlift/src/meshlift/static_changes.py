@@ -13,7 +13,10 @@ A trace hands what it changed to the lifted call in progress (`begin`,
 `record`, `end`): a call that succeeds keeps the changes, as eager
 execution does, and forgets its program, so the next call traces again and
 runs the Python again; a call that fails undoes them; a stage (`trace`,
-`lower`, `eval_shape`) writes nothing back, so it undoes them too.
+`lower`, `eval_shape`) writes nothing back, so it undoes them too. A
+repeated call on its plan begins nothing (it rarely traces): it notes
+`recorded()` before running, and only if that moved does it `adopt` what its
+trace recorded, then ends as any call.
 """
 
 from __future__ import annotations
@@ -114,6 +117,12 @@ class StaticValues:
 _TRACED: contextvars.ContextVar[list[tuple[StaticValues, tuple[str, ...]]] | None] = (
     contextvars.ContextVar("meshlift_static_changes", default=None)
 )
+# What traces changed with no call collecting (a repeated call's, until it adopts them):
+# (the count of such records when made, the values, the paths), in this context.
+_UNCLAIMED: contextvars.ContextVar[tuple[tuple[int, StaticValues, tuple[str, ...]], ...]] = (
+    contextvars.ContextVar("meshlift_unclaimed_static_changes", default=())
+)
+_RECORDED = [0]  # how many changes traces recorded with no call collecting, in any context
 
 
 def begin() -> contextvars.Token:
@@ -121,12 +130,38 @@ def begin() -> contextvars.Token:
     return _TRACED.set([])
 
 
+def collecting() -> bool:
+    """Whether a lifted call (or stage) in this context collects what traces change."""
+    return _TRACED.get() is not None
+
+
+def recorded() -> int:
+    """A count that moves whenever a trace records a change with no call collecting: a
+    repeated call compares it before and after running its program."""
+    return _RECORDED[0]
+
+
+def adopt(since: int) -> contextvars.Token:
+    """`begin`, holding the changes recorded in this context with no call collecting since
+    `recorded()` returned `since` (the repeated call's own trace); older ones, which no
+    call made, are undone."""
+    mine: list[tuple[StaticValues, tuple[str, ...]]] = []
+    for count, values, paths in _UNCLAIMED.get():
+        if count > since:
+            mine.append((values, paths))
+        else:
+            values.restore()
+    _UNCLAIMED.set(())
+    return _TRACED.set(mine)
+
+
 def record(values: StaticValues, paths: tuple[str, ...]) -> None:
     """A trace changed `values` in place at `paths` (the caller's names): the lifted call in
-    progress keeps or undoes it; with none in progress, it is undone now."""
+    progress keeps or undoes it; with none collecting, it waits to be adopted."""
     traced = _TRACED.get()
     if traced is None:
-        values.restore()
+        _RECORDED[0] += 1
+        _UNCLAIMED.set((*_UNCLAIMED.get(), (_RECORDED[0], values, paths)))
     else:
         traced.append((values, paths))
 

@@ -48,8 +48,6 @@ _T = TypeVar("_T")
 _ATOMS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type, enum.Enum)
 # Mutable buffers: compared by their bytes.
 _BUFFERS = (bytearray, array.array, memoryview)
-# Where `obj.__class__` is read (a getset descriptor: one C loop checks many objects' types).
-_CLASS = object.__dict__["__class__"]
 # Compared as themselves: code, and flax's immutable mappings (replaced, never mutated).
 _OPAQUE = (
     types.FunctionType,
@@ -360,14 +358,17 @@ class Watcher:
     Variable's metadata changed: identity checks and a few equality checks,
     no traversal.
 
-    Where `dict_watch.available()` (CPython 3.12), plain dicts (attribute
-    dicts, Variable metadata) report their own changes, so while none did the
-    check reads only lists, sets, slots and which metadata dict each Variable
-    holds: its cost no longer grows with the number of attributes. Elsewhere
-    every item is compared by identity, in C (`speedups.same_items`), metadata
-    dicts too; a Variable's metadata is compared by value only when one of
-    those differs, so equal metadata set anew is no change. Which of the two
-    `unchanged` is, is chosen once, when the watcher is made.
+    Plain dicts (attribute dicts, Variable metadata) tell of their own
+    changes where they can: through dict watchers (`dict_watch.available()`,
+    CPython 3.12) or their version tags (`dict_watch.versions_available()`,
+    CPython 3.11). Then, while none changed, the check reads only lists, sets,
+    slots, each object's class and attribute dict and which metadata dict each
+    Variable holds, in one C call (`speedups.same_structure`): its cost no
+    longer grows with the number of attributes. Elsewhere every item is
+    compared by identity, in C (`speedups.same_items`), metadata dicts too; a
+    Variable's metadata is compared by value only when one of those differs,
+    so equal metadata set anew is no change. Which of the two `unchanged` is,
+    is chosen once, when the watcher is made.
     """
 
     def __init__(self, nodes: Any):
@@ -395,22 +396,28 @@ class Watcher:
         containers = (self._sequences, self._sets, self._slotted, self._buffers)
         self._everything = _Snapshot(self._dicts, *containers)
         self._by_watchers = slots is not None and dict_watch.available()
+        self._by_versions = (
+            slots is not None and not self._by_watchers and dict_watch.versions_available()
+        )
+        self._told = self._by_watchers or self._by_versions  # plain dicts tell of changes
+        # Dict subclasses (an OrderedDict keeps its order outside its dict) are compared.
+        self._plain = tuple(d for d in self._dicts if type(d) is dict)
         if self._by_watchers:
-            # Dict subclasses (an OrderedDict keeps its order outside its dict) are compared.
-            dict_watch.watch(d for d in self._dicts if type(d) is dict)
+            dict_watch.watch(self._plain)
+        if self._told:
             unwatched = [d for d in self._dicts if type(d) is not dict]
             self._unwatched = _Snapshot(unwatched, *containers)
         self._metadata_dicts: tuple[Any, ...] = ()
         self.snapshot()
         # The check, chosen once: told by the dicts themselves, or by comparing everything.
         self.unchanged: Callable[[], bool] = (
-            self._unchanged_by_watchers if self._by_watchers else self._unchanged_by_comparing
+            self._unchanged_as_told if self._told else self._unchanged_by_comparing
         )
 
     def snapshot(self) -> None:
         """Take the current state as the unchanged one (after meshlift itself wrote to it)."""
-        self._seen = self._arm()
-        if self._by_watchers:
+        self._seen, self._quick = self._arm()
+        if self._told:
             self._unwatched.take()
         self._everything.take()
         self._metadata = [dict(self._read_metadata(v)) for v in self._variables]
@@ -419,9 +426,8 @@ class Watcher:
         """Whether every object holds the attribute dict and has the class it had:
         `obj.__dict__ = {...}` swaps in a dict the snapshot and watchers do not hold, and
         `obj.__class__ = ...` changes a Variable's type or a configuration's class."""
-        return speedups.same_dicts(self._holder_tuple, self._held_tuple) and (
-            speedups.read_each_is(_CLASS, self._typed_tuple, self._types)
-        )
+        holders = (self._holder_tuple, self._held_tuple, self._typed_tuple, self._types)
+        return speedups.same_structure(*holders, None, (), (), (), ())
 
     def _unchanged_by_comparing(self) -> bool:
         if not self._same_holders() or not self._everything.same():
@@ -433,20 +439,20 @@ class Watcher:
             return True
         return False
 
-    def _unchanged_by_watchers(self) -> bool:
-        if not self._same_holders():
-            return False
+    def _unchanged_as_told(self) -> bool:
         if (
             self._seen == dict_watch.changes()
             and self._metadata_watched
             and (self._unwatched.empty or self._unwatched.same())
-            and self._same_metadata_dicts()
+            and speedups.same_structure(*self._quick)
         ):
-            return True  # no watched dict changed, nor anything the watchers cannot see
+            return True  # no plain dict changed, nor anything they cannot tell of
+        if not self._same_holders():
+            return False
         # Something changed, maybe back to what it was: compare everything.
-        seen = self._arm()  # before comparing, so a change while comparing is counted
+        armed = self._arm()  # before comparing, so that a change while comparing is seen
         if self._everything.same() and self._metadata_same():
-            self._seen = seen
+            self._seen, self._quick = armed
             return True
         return False
 
@@ -465,20 +471,29 @@ class Watcher:
             self._metadata_slot, self._variable_tuple, self._metadata_dicts
         )
 
-    def _arm(self) -> float:
+    def _arm(self) -> tuple[float, tuple[Any, ...]]:
         """Note the metadata dict each Variable holds now, so that a change to one is seen:
-        watch it (dict watchers), else snapshot its items. The change count after that."""
+        watch it (dict watchers), else snapshot its items. The change count after that, and
+        the arguments of `speedups.same_structure` that check what plain dicts cannot tell
+        (with their version tags now, where they tell by those)."""
         current = tuple(map(self._read_metadata, self._variable_tuple))
         if self._by_watchers:
             before = self._metadata_dicts or (None,) * len(current)
             fresh = (d for d, old in zip(current, before, strict=True) if d is not old)
             dict_watch.watch(d for d in fresh if type(d) is dict)
+        if self._told:
             self._metadata_watched = all(type(d) is dict for d in current)
         else:  # only dicts are compared item by item; anything else, by value every call
             every_dict = all(isinstance(d, dict) for d in current)
             self._metadata_items = _Snapshot(list(current), [], [], [], []) if every_dict else None
         self._metadata_dicts = current
-        return dict_watch.changes()
+        tagged = (*self._plain, *current) if self._by_versions and self._metadata_watched else ()
+        quick = (
+            *(self._holder_tuple, self._held_tuple, self._typed_tuple, self._types),
+            *(self._metadata_slot, self._variable_tuple, current),
+            *(tagged, speedups.dict_versions(tagged) if tagged else ()),
+        )
+        return dict_watch.changes(), quick
 
     def _metadata_same(self) -> bool:
         # Metadata values are plain data (names, specs, meshes), read afresh from each
