@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 
+import flax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -86,14 +87,21 @@ tagged = pytest.mark.skipif(
 )
 
 
+def contents(dicts):
+    return [(list(d), list(map(id, d.values()))) for d in dicts]
+
+
 @tagged
 def test_every_change_to_a_dict_moves_its_version_tag():
     for name, change in CHANGES.items():
         block = Block()
         dicts = dicts_of(block)
-        before = speedups.dict_versions(dicts)
+        before, held = speedups.dict_versions(dicts), contents(dicts)
         change(block)
-        assert speedups.dict_versions(dicts) != before, name
+        changed = contents(dicts) != held
+        # under flax's tree mode nnx.jit makes no graph update: nothing to see
+        assert changed or not flax.config.nnx_graph_mode, name
+        assert not changed or speedups.dict_versions(dicts) != before, name
 
 
 @tagged
