@@ -593,3 +593,22 @@ def test_a_variable_changed_then_left_out_of_the_graph_keeps_its_new_value(backe
         kept[name] = old.w[...]
     _close(kept[backend], kept["eager"])
     _close(kept["eager"], jnp.full(2, 2.0))
+
+
+def test_an_argument_whose_spec_a_plan_read_from_its_shape_is_resolved_anew_on_a_new_shape():
+    # Found by the oracle: a call like the last ran on its plan, whose staged function
+    # had the spec resolved for the previous shape; JAX refused it before tracing, and
+    # the call raised where a first call (and the slow path) resolves P() and runs.
+    def divisible(path, value):
+        return getattr(value, "ndim", 0) == 1 and value.shape[0] % 4 == 0
+
+    plan = ml.StateSharding({divisible: P("model"), ...: P()})
+    mesh = ml.make_mesh({"data": 2, "model": 4})
+    model = nnx.Module()
+    model.w = nnx.Param(jnp.ones(8))
+    f = ml.transform("jit", lambda m, x: m.w[...].sum() * x, mesh=mesh, in_specs=plan)
+    for n in (8, 8, 1, 1, 8):
+        x = jnp.arange(n, dtype=jnp.float32)
+        out = f(model, x)
+        np.testing.assert_array_equal(out, 8 * x)
+        assert out.sharding.spec == (P("model") if n == 8 else P()), n

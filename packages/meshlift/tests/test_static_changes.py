@@ -158,6 +158,26 @@ def test_a_repeated_call_whose_program_fails_undoes_the_change():
     np.testing.assert_array_equal(lifted(model, jnp.ones(2)), 2 * jnp.ones(2))
 
 
+def test_an_object_the_function_makes_and_stores_is_made_anew_each_call_as_eagerly():
+    # Found by the oracle: a program replayed without running the Python handed the caller
+    # the list its trace made, which the caller had changed in place since.
+    def remember(m, x):
+        m.config = [1.0]  # a new static object, stored on the module
+        return m.w[...] * x
+
+    model, eager, lifted, x = counted_model(), counted_model(), ml.jit(remember), jnp.ones(2)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ml.RetraceWarning)
+        for step in range(4):
+            np.testing.assert_array_equal(lifted(model, x), remember(eager, x))
+            assert model.config == eager.config == [1.0], step
+            assert all(model.config is not before for before in seen)  # a new list each time
+            seen.append(model.config)
+            model.config.append(2.0)  # the caller changes what the call gave it
+            eager.config.append(2.0)
+
+
 def test_stages_undo_the_change_and_the_next_call_runs_the_python():
     model, eager, x = counted_model(), counted_model(), jnp.ones(2)
     lifted = ml.jit(count_and_scale)

@@ -45,7 +45,7 @@ from meshlift import compat, resolve, speedups
 from meshlift.errors import StructureChangedError, TraceLeakError
 from meshlift.layout import Call, Layout
 from meshlift.paths import Path, format_path, listing
-from meshlift.pure import TraceInfo, abstract_outputs
+from meshlift.pure import StaleLayout, TraceInfo, abstract_outputs, held_types
 from meshlift.staged_errors import explain
 
 
@@ -93,6 +93,11 @@ def recover(
     names. Any other argument JAX refuses is named in the error, never moved (unless the
     backend reshards arguments, as `jax.shard_map` does)."""
     layout = entry.layout
+    held = [*values, *(call.leaves[i] for i in layout.checked_leaves)]
+    if isinstance(error, ValueError) and held_types(held) != layout.held:
+        # JAX refused, before tracing, a value of another shape than the one a plan
+        # resolved its spec for (a call like the last skipped the lookup): a new layout
+        raise StaleLayout(f"{layout.names.function} was called with values of new shapes")
     try:
         if not isinstance(error, ValueError):
             raise error

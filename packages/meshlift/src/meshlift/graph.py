@@ -322,9 +322,12 @@ class Rebuilt:
             if s is not None and value is self.values[s] and compat.is_ref(value)
         )
         self.detached = self._detached(ref_index, leaf_position)
+        given = set(map(id, static_objects(unchanged_graphdef)))
+        made = [v for v in static_objects(graphdef) if id(v) not in given and _mutable(v)]
         update = GraphUpdate(
             graphdef, tuple(flat.paths), tuple(sources), tuple(indices), in_place, self.detached
         )
+        update.made = tuple(made)
         return ref_index, leaves, update
 
     def _detached(
@@ -366,8 +369,13 @@ class GraphUpdate:
     `ref=True` Variable's, mutated through it): not an output, kept as it is.
     `detached` are the split positions of Variables given a new value and then
     left out of the new graph: their new values are written to the caller's
-    Variables, which are not re-pointed anywhere.
+    Variables, which are not re-pointed anywhere. `made` are the mutable static
+    objects the function made and stored (a new list, say): a call that replayed the
+    update without running the Python again would hand the caller those very objects
+    again, changed in place since maybe, where eager execution makes new ones.
     """
+
+    made: tuple[Any, ...] = ()
 
     def __init__(
         self,

@@ -293,21 +293,25 @@ class Lifted(Generic[Params, Result]):
 
     def _plan_after(self, entry: Entry, call: Call) -> speedups.CallPlan | None:
         """The plan for calls like `call`, which ran `entry` and succeeded; none if its trace
-        changed a static value in place: then the next call traces again, as eager
-        execution runs the Python again. A warning once this keeps happening."""
+        changed a static value in place, or stored a mutable static object it made (a new
+        list): then the next call traces again, as eager execution runs the Python again
+        (and makes the object anew, where the program would hand the caller the one it
+        made then, changed in place since maybe). A warning once this keeps happening."""
         changed = static_changes.pending()
-        if not changed:
+        update = entry.info.update if entry.info is not None else None
+        if not changed and (update is None or not update.made):
             self._retraces = 0
             return call_plans.plan_after(entry, call, self.mesh) if modes.fast_paths else None
         self._forget(entry)
         self._retraces += 1
         if self._retraces == _RETRACES_BEFORE_WARNING:
+            what = f"changes {listing(changed)} in place" if changed else "stores a new object"
             warnings.warn(
                 f"{self.names.function} has re-traced on each of its last {self._retraces} "
-                f"calls because it changes {listing(changed)} in place: a static value is "
-                f"compiled into the program, so each change is a new program. If the value "
-                f"is data, keep it in an nnx.Variable (or pass it as an array); if it is a "
-                f"setting, change it outside the lifted function",
+                f"calls because it {what}: a static value is compiled into the program, "
+                f"so each change is a new program. If the value is data, keep it in an "
+                f"nnx.Variable (or pass it as an array); if it is a setting, change it "
+                f"outside the lifted function",
                 RetraceWarning,
                 stacklevel=user_stacklevel(),
             )

@@ -55,6 +55,12 @@ from meshlift.testing.oracle.vocabulary import STATICS
 SEEDS = st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 1.5])
 VARIABLE_TYPES = ["nnx.Param", "nnx.BatchStat", "Stat", "nnx.Variable"]
 SHAPES = {"w": "(2, 8)", "b": "(8,)"}  # the plan shards these over `model`
+# An argument array's length: another length between calls makes JAX trace a repeated
+# call's program again (4: the plan still shards it; 1: it replicates it).
+LENGTHS = st.sampled_from([8, 8, 8, 4, 1])
+_LENGTH = re.compile(r"grid\(\(\d+,\)")
+# `touch`'s condition: only the traces for an argument of length 1 change the static value
+WHEN_LENGTH_1 = ", any(getattr(x, 'shape', 0) == (1,) for x in args)"
 PREFIXES = "wbwbt"  # a Variable `t<n>` holds a pytree (`nested`)
 STATIC_ARGUMENTS = ["1", "True", "1.0", "0", "False", '"s"', "None", "(1, 2)", "Color.RED"]
 STATIC_ARGUMENTS += ["Frozen(1.5)", "2", "2.0"]
@@ -228,7 +234,8 @@ def _inside(draw: Any, models: list[_Model], theme: str) -> str:
         return f"setattr_if({where}, {draw(pick)!r}, {draw(_static())})"
     if not model.statics:
         return f"layers({where})"
-    return f"touch({where}, {draw(st.sampled_from(model.statics))!r})"
+    static = draw(st.sampled_from(model.statics))
+    return f"touch({where}, {static!r}{draw(st.sampled_from(['', '', WHEN_LENGTH_1]))})"
 
 
 @st.composite
@@ -279,7 +286,7 @@ def _argument(draw: Any, models: list[_Model], static: bool, optimizer: bool) ->
     """One argument's source: a static value, or a graph node, an array or a container."""
     if static:
         return draw(st.sampled_from(STATIC_ARGUMENTS))
-    array = f"grid((8,), {draw(SEEDS)})"
+    array = f"grid(({draw(LENGTHS)},), {draw(SEEDS)})"
     if not models:
         return array
     model = draw(st.sampled_from(models))
@@ -297,8 +304,8 @@ def _argument(draw: Any, models: list[_Model], static: bool, optimizer: bool) ->
 
 
 _CONTAINERS = (
-    (re.compile(r'\{"x": (.+), "y": (grid\(\(8,\), [0-9.]+\))\}'), '{{"x": {1}, "y": {0}}}'),
-    (re.compile(r"\((grid\(\(8,\), [0-9.]+\)), (.+)\)"), "({1}, {0})"),
+    (re.compile(r'\{"x": (.+), "y": (grid\(\([0-9]+,\), [0-9.]+\))\}'), '{{"x": {1}, "y": {0}}}'),
+    (re.compile(r"\((grid\(\([0-9]+,\), [0-9.]+\)), (.+)\)"), "({1}, {0})"),
 )
 
 
@@ -328,13 +335,23 @@ def graph_programs(draw: Any) -> Program:
     optimizer = theme == "training"
     params = ["a", "b", "c"][: draw(st.integers(2, 3))]
     lifted_params = params if theme not in ("method", "partial") else params[1:]
-    static = draw(st.sampled_from([None, *lifted_params[1:]]))
+    # Values changed, and a static value by some traces only, with arrays passed as they
+    # are: calls like the last run on its plan, whose program traces again for a new length.
+    retraced = theme == "statics" and draw(st.integers(0, 2)) == 0
+    static = None if retraced else draw(st.sampled_from([None, *lifted_params[1:]]))
     donated = draw(st.sampled_from([None, None, *[p for p in lifted_params if p != static]]))
     indices = params if theme == "partial" else lifted_params
     options = _options(draw, indices, static, donated)
 
     count = draw(st.integers(2 if theme in ("inside", "refs") else 1, 3))
     operations = [draw(_inside(models, theme)) for _ in range(count)]
+    if retraced:
+        model = models[0]
+        arrays = [v for v in model.variables if not v.startswith("t")] or model.variables
+        operations = [
+            f"bump(node(args, 0), {draw(st.sampled_from(arrays))!r}, {draw(SEEDS)})",
+            f"touch(node(args, 0), {draw(st.sampled_from(model.statics))!r}{WHEN_LENGTH_1})",
+        ]
     header = f"def fn({', '.join(params)}):"
     body = [
         "    rec.trace()",
@@ -358,18 +375,24 @@ def graph_programs(draw: Any) -> Program:
     base = [draw(_argument(passed, p == static, optimizer)) for p in lifted_params]
     if theme in ("statics", "variables"):  # what changes between calls reaches the function
         base[0] = passed[0].name
-    for step in range(draw(st.integers(2, 4))):
-        if step and draw(st.integers(0, 3)):
+    if retraced:
+        base[1:] = [f"grid((8,), {draw(SEEDS)})" for _ in base[1:]]
+    for step in range(draw(st.integers(3 if retraced else 2, 4))):
+        if step and not retraced and draw(st.integers(0, 3)):
             lines.append(draw(_between(models, theme)))
         values = list(base)
-        if step and (theme == "layout" or draw(st.integers(0, 2)) == 0):
+        if step and not retraced and (theme == "layout" or draw(st.integers(0, 2)) == 0):
             if draw(st.integers(0, 3)):  # the same arguments in other places: nodes move
                 dynamic = [i for i, p in enumerate(lifted_params) if p != static]
                 for i, j in zip(dynamic, draw(st.permutations(dynamic)), strict=True):
                     values[i] = _swapped(base[j])
             else:
                 values = [draw(_argument(passed, p == static, optimizer)) for p in lifted_params]
-        lines.append(_call(draw, "f", lifted_params, values))
+        if step and draw(st.integers(0, 1 if retraced and step > 1 else 2)) == 0:
+            length = 1 if retraced else draw(LENGTHS)  # arrays of another length: traced again
+            values = [_LENGTH.sub(f"grid(({length},)", value) for value in values]
+        call = f"rec.call(f, {', '.join(values)})" if retraced else None
+        lines.append(call or _call(draw, "f", lifted_params, values))
     return Program(tuple(lines))
 
 

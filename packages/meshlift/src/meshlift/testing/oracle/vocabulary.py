@@ -481,10 +481,10 @@ def delete(where: Any, path: str) -> None:
         delattr(found[0], found[1])
 
 
-def touch(where: Any, path: str) -> None:
-    """Change a static value in place, whatever its kind."""
+def touch(where: Any, path: str, when: bool = True) -> None:
+    """Change a static value in place, whatever its kind (only `when`)."""
     value = _get(where, path)
-    if value is None:
+    if value is None or not when:
         return
     if isinstance(value, Config | Holder | Key | types.SimpleNamespace):
         value.scale += 1
@@ -514,8 +514,7 @@ def touch(where: Any, path: str) -> None:
             holder.scale += 1
 
 
-_OTHER_CLASS = {Config: OtherConfig, OtherConfig: Config, Holder: OtherHolder}
-_OTHER_CLASS[OtherHolder] = Holder
+_OTHER_CLASS = {Config: OtherConfig, OtherConfig: Config, Holder: OtherHolder, OtherHolder: Holder}
 
 
 def swap_class(where: Any, path: str) -> None:
