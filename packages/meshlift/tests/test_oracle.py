@@ -14,6 +14,7 @@ from hypothesis import given
 
 import meshlift as ml
 from meshlift.testing import oracle
+from meshlift.testing.oracle.programs import WHEN_LENGTH_1
 from meshlift.testing.oracle.runner import EAGER, Lifting
 
 
@@ -100,8 +101,35 @@ TOUCHED_INSIDE = oracle.Program(
 )
 
 
+# Several Variables written back by a repeated call's C step, then a call like the last
+# whose program traces again for an argument of another length and changes a static value
+# there only (the C step once wrote its outputs to its targets in reverse order, found by
+# the conformance kit; the repeated call now adopts the trace's change).
+REPEATED = oracle.Program(
+    (
+        "m0 = Box(w0=nnx.Param(grid((2, 8), 0.5)), b0=nnx.Param(grid((8,), 0.25)),"
+        " b1=Stat(grid((8,), 1.0)), k0=[1.0])",
+        "rec.start(m0=m0)",
+        "def fn(a, x):",
+        "    args = (a, x)",
+        *(
+            f"    bump(node(args, 0), {name!r}, {by})"
+            for name, by in (("b1", 0.5), ("w0", 0.25), ("b0", 1.0))
+        ),
+        f"    touch(node(args, 0), 'k0'{WHEN_LENGTH_1})",
+        "    return probe(args)",
+        "f = rec.lift(fn)",
+        *["rec.call(f, m0, grid((8,), 0.0))"] * 3,
+        *["rec.call(f, m0, grid((1,), 0.0))"] * 2,
+        "rec.call(f, m0, grid((8,), 0.0))",
+    )
+)
+
+
 @pytest.mark.parametrize("target", ["ml.jit+checked", "ml.jit+slow+python", "jit"])
-@pytest.mark.parametrize("program", [DETACHED, TOUCHED_INSIDE], ids=["detached", "touched"])
+@pytest.mark.parametrize(
+    "program", [DETACHED, TOUCHED_INSIDE, REPEATED], ids=["detached", "touched", "repeated"]
+)
 def test_fixed_programs_run_as_eagerly(program, target):
     oracle.check(program, target)
 

@@ -337,7 +337,7 @@ def graph_programs(draw: Any) -> Program:
     lifted_params = params if theme not in ("method", "partial") else params[1:]
     # Values changed, and a static value by some traces only, with arrays passed as they
     # are: calls like the last run on its plan, whose program traces again for a new length.
-    retraced = theme == "statics" and draw(st.integers(0, 2)) == 0
+    retraced = theme == "statics" and draw(st.booleans())
     static = None if retraced else draw(st.sampled_from([None, *lifted_params[1:]]))
     donated = draw(st.sampled_from([None, None, *[p for p in lifted_params if p != static]]))
     indices = params if theme == "partial" else lifted_params
@@ -348,8 +348,9 @@ def graph_programs(draw: Any) -> Program:
     if retraced:
         model = models[0]
         arrays = [v for v in model.variables if not v.startswith("t")] or model.variables
-        operations = [
-            f"bump(node(args, 0), {draw(st.sampled_from(arrays))!r}, {draw(SEEDS)})",
+        bumped = draw(st.lists(st.sampled_from(arrays), min_size=1, max_size=3, unique=True))
+        operations = [  # several Variables written back by the plan's C step, in any order
+            *(f"bump(node(args, 0), {variable!r}, {draw(SEEDS)})" for variable in bumped),
             f"touch(node(args, 0), {draw(st.sampled_from(model.statics))!r}{WHEN_LENGTH_1})",
         ]
     header = f"def fn({', '.join(params)}):"
