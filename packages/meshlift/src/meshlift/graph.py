@@ -325,9 +325,14 @@ class Rebuilt:
         given = set(map(id, static_objects(unchanged_graphdef)))
         made = [v for v in static_objects(graphdef) if id(v) not in given and _mutable(v)]
         update = GraphUpdate(
-            graphdef, tuple(flat.paths), tuple(sources), tuple(indices), in_place, self.detached
+            graphdef,
+            tuple(flat.paths),
+            tuple(sources),
+            tuple(indices),
+            in_place,
+            self.detached,
+            tuple(made),
         )
-        update.made = tuple(made)
         return ref_index, leaves, update
 
     def _detached(
@@ -375,8 +380,6 @@ class GraphUpdate:
     again, changed in place since maybe, where eager execution makes new ones.
     """
 
-    made: tuple[Any, ...] = ()
-
     def __init__(
         self,
         graphdef: Any,
@@ -385,9 +388,10 @@ class GraphUpdate:
         indices: tuple[int | None, ...],
         in_place: frozenset[int] = frozenset(),
         detached: Iterable[int] = (),
+        made: tuple[Any, ...] = (),
     ):
         self.graphdef, self.paths, self.sources, self.indices = graphdef, paths, sources, indices
-        self.in_place, self.detached = in_place, tuple(detached)
+        self.in_place, self.detached, self.made = in_place, tuple(detached), made
 
     def check_metadata(self, before: Any, names: Sequence[str]) -> None:
         """Refuse if the function changed the metadata of a caller's Variable (not carried back).
