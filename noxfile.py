@@ -29,7 +29,7 @@ nox.options.sessions = ["tests"]
 
 # The backend distributions under plugins/. Adding a backend is one entry here:
 # its package is installed in every session and it gets a `tests-<name>` session.
-BACKENDS = ["jit", "shard-map", "pjit"]
+BACKENDS = ["jit", "shard-map", "pjit", "pipeline"]
 
 PACKAGES = {"core": "packages/meshlift"} | {b: f"plugins/meshlift-{b}" for b in BACKENDS}
 
@@ -323,7 +323,7 @@ print("meshlift._speedups runs on Python", sys.version.split()[0])
 
 @nox.session(tags=["wheels"])
 def wheels(session: nox.Session) -> None:
-    """Build the four sdists and wheels into dist/, install the wheels here, check them.
+    """Build the five sdists and wheels into dist/, install the wheels here, check them.
 
     Each wheel is built from its sdist (so a file missing from an sdist fails here),
     each carries the LICENSE, the core's carries its C loops (`meshlift._speedups`), and
@@ -430,14 +430,15 @@ def check_core_wheel(session: nox.Session, wheel: Path) -> None:
         session.run(found, str(smoke.resolve()), str(module.resolve()), external=True)
 
 
-# The benchmarks run on Python 3.12, where dict watchers make the per-call structure
-# check O(1) in the number of attributes, and on 3.11, where it compares every one.
+# The benchmarks run on Python 3.12, where dict watchers tell the per-call structure
+# check what changed, and on 3.11, where it reads the dicts' version tags.
 BENCH_CONSTRAINTS = {"3.12": "constraints-jax0.12.txt", "3.11": "constraints.txt"}
 
 
 @nox.session(python=list(BENCH_CONSTRAINTS))
 def bench(session: nox.Session) -> None:
-    """The benchmarks: benchmarks/dispatch.py [posargs], then benchmarks/transformer.py.
+    """The benchmarks: benchmarks/dispatch.py [posargs], benchmarks/transformer.py, then
+    benchmarks/pipeline.py.
 
     `nox -s bench` runs both Pythons (3.12, then 3.11); `nox -s bench-3.12` one.
     Arguments after -- go to dispatch.py only; transformer.py runs its default
@@ -446,6 +447,7 @@ def bench(session: nox.Session) -> None:
     install(session, constraints=BENCH_CONSTRAINTS[str(session.python)])
     session.run("python", "benchmarks/dispatch.py", *session.posargs, env=XLA_ENV)
     session.run("python", "benchmarks/transformer.py", env=XLA_ENV)
+    session.run("python", "benchmarks/pipeline.py", env=XLA_ENV)
 
 
 @nox.session

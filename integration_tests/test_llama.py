@@ -2,7 +2,8 @@
 
 The model code is the page's own (its blocks marked `# llama: ...`). Plain
 flax is the reference: the same code under `nnx.jit` on one device, no mesh and
-no rules. Each backend trains it on a 2×4 mesh and decodes with a KV cache; the
+no rules. Each backend trains it on a 2×4 mesh (the pipeline backend on 2×2×2,
+its `layers` over `stage`, in 2 microbatches) and decodes with a KV cache; the
 losses, the trained parameters and the generated tokens must be flax's.
 """
 
@@ -95,6 +96,9 @@ def sharded(backend: str):
     ns = page()
     mesh = ml.make_mesh({"data": 2, "model": 4})
     rules = ns["RULES"] if backend != "shard_map" else ns["TP_RULES"]
+    if backend == "pipeline":  # PP x FSDP x TP
+        mesh = ml.make_mesh({"stage": 2, "data": 2, "model": 2})
+        rules = [("layers", "stage"), *(r for r in rules if r[0] != "layers")]
     with ml.use_mesh(mesh), ml.axis_rules(rules):
         model = ns["Llama"](ns["Config"](), nnx.Rngs(0))
         optimizer = ns["make_optimizer"](model)
@@ -104,6 +108,8 @@ def sharded(backend: str):
         step = ml.jit(ns["train_step"], in_shardings=(*specs, None), mesh=mesh)
     elif backend == "pjit":
         step = ml.pjit(ns["train_step"], in_shardings=(*specs, None))
+    elif backend == "pipeline":
+        step = ml.pipeline(ns["train_step"], microbatches=2, in_shardings=(*specs, None), mesh=mesh)
     else:
         step = ml.shard_map(
             ns["shard_step"],
@@ -126,7 +132,7 @@ def sharded(backend: str):
     return train, generate, model, plan
 
 
-@pytest.mark.parametrize("backend", ["jit", "pjit", "shard_map"])
+@pytest.mark.parametrize("backend", ["jit", "pjit", "shard_map", "pipeline"])
 def test_the_worked_example_trains_and_decodes_as_plain_flax(backend):
     train, generate, model, plan = sharded(backend)
     losses, tokens = run(train, generate)
@@ -141,6 +147,7 @@ def test_the_worked_example_trains_and_decodes_as_plain_flax(backend):
     kernel = model.blocks.attention.q[...]
     expected = plan.spec_for(("blocks", "attention", "q"), model.blocks.attention.q)
     assert kernel.sharding.spec == expected
-    assert expected == (
-        P(None, "data", "model") if backend != "shard_map" else P(None, None, "model")
-    )
+    assert expected == {
+        "shard_map": P(None, None, "model"),
+        "pipeline": P("stage", "data", "model"),
+    }.get(backend, P(None, "data", "model"))

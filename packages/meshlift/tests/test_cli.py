@@ -750,6 +750,7 @@ DISTRIBUTIONS = [
     "plugins/meshlift-jit",
     "plugins/meshlift-shard-map",
     "plugins/meshlift-pjit",
+    "plugins/meshlift-pipeline",
     "docs/examples/meshlift-remat",
 ]
 
@@ -797,7 +798,7 @@ README_BLOCKS = {
     folder: re.findall(
         r"^```python\n(.*?)^```", (ROOT / folder / "README.md").read_text(), flags=re.S | re.M
     )
-    for folder in DISTRIBUTIONS[:4]  # the example backend runs its own README in its tests
+    for folder in DISTRIBUTIONS[:5]  # the example backend runs its own README in its tests
     if (ROOT / folder / "README.md").exists()
 }
 

@@ -114,8 +114,10 @@ def test_lazy_names_type_checking_imports_and_all_agree():
                     for alias in stmt.names:
                         checked[alias.asname or alias.name] = stmt.module or ""
     lazy = dict(ml._LAZY)
-    defined_here = {"jit", "shard_map", "pjit", "__version__"}
-    frontends = dict.fromkeys(("jit", "shard_map", "pjit"), "meshlift.frontends")  # the stub
+    defined_here = {"jit", "shard_map", "pjit", "pipeline", "__version__"}
+    frontends = dict.fromkeys(
+        ("jit", "shard_map", "pjit", "pipeline"), "meshlift.frontends"
+    )  # the stub
     assert {k: v for k, v in checked.items() if k != "plugins"} == lazy | frontends
     assert set(ml.__all__) == set(lazy) | defined_here | {"plugins"}
     for name, module in lazy.items():

@@ -1,4 +1,4 @@
-"""`meshlift/frontends.pyi` types `ml.jit`, `ml.shard_map` and `ml.pjit` without the core
+"""`meshlift/frontends.pyi` types `ml.jit`, `ml.shard_map`, `ml.pjit` and `ml.pipeline` without the core
 importing a plugin: each of its overloads must take the plugin's parameters as the plugin's
 signature (its lift options added by `ml.takes_lift_options`) shows them."""
 
@@ -11,6 +11,7 @@ import pytest
 
 import meshlift as ml
 import meshlift_jit
+import meshlift_pipeline
 import meshlift_pjit
 import meshlift_shard_map
 
@@ -19,6 +20,7 @@ FRONTENDS = {
     "jit": meshlift_jit.jit,
     "shard_map": meshlift_shard_map.shard_map,
     "pjit": meshlift_pjit.pjit,
+    "pipeline": meshlift_pipeline.pipeline,
 }
 
 

@@ -118,6 +118,7 @@ def test_front_end_names_belong_to_the_distributions_the_core_extras_install():
         "jit": "meshlift-jit",
         "shard_map": "meshlift-shard-map",
         "pjit": "meshlift-pjit",
+        "pipeline": "meshlift-pipeline",
     }
     assert tuple(plugins.first_party_backends()) == plugins.FRONT_ENDS
 
@@ -638,9 +639,15 @@ def test_front_ends_reach_their_own_distributions_backend(install, monkeypatch):
         {"out_specs": None},
     )
     assert ml.pjit(f, 1, 2) == ("pjit front end of meshlift-pjit", f, (1, 2), {})
+    assert ml.pipeline(f, microbatches=4) == (
+        "pipeline front end of meshlift-pipeline",
+        f,
+        (),
+        {"microbatches": 4},
+    )
 
 
-@pytest.mark.parametrize("name", ["jit", "shard_map", "pjit"])
+@pytest.mark.parametrize("name", ["jit", "shard_map", "pjit", "pipeline"])
 def test_front_end_without_its_distribution_says_what_to_install(install, monkeypatch, name):
     first_party(install, monkeypatch, name, source=None)
     install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})

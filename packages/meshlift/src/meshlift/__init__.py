@@ -50,6 +50,7 @@ _LAZY: dict[str, str] = {
     "current_mesh": "meshlift.mesh",
     "make_mesh": "meshlift.mesh",
     "use_mesh": "meshlift.mesh",
+    "scan_layers": "meshlift.layers",
     "add_axis": "meshlift.metadata",
     "get_partition_spec": "meshlift.metadata",
     "get_sharding": "meshlift.metadata",
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     )
     from meshlift.explain import Explanation, explain
     from meshlift.hookspecs import hookimpl
+    from meshlift.layers import scan_layers
     from meshlift.lift import Lifted
     from meshlift.logical import (
         axis_rules,
@@ -170,7 +172,7 @@ def _frontend(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # the front ends' signatures, from a stub: the core imports no plugin
-    from meshlift.frontends import jit, pjit, shard_map
+    from meshlift.frontends import jit, pipeline, pjit, shard_map
 else:  # at run time each forwards to its backend's front end, found through the plugins
 
     def jit(fun: Any = None, /, **kwargs: Any) -> Any:
@@ -252,6 +254,38 @@ else:  # at run time each forwards to its backend's front end, found through the
         """
         return _frontend("pjit")(fun, *args, **kwargs)
 
+    def pipeline(fun: Any = None, /, **kwargs: Any) -> Any:
+        """`ml.jit` whose layer stacks (`ml.scan_layers`) run as a pipeline over the mesh's
+        `stage` axis; needs the `meshlift-pipeline` backend.
+
+        Args:
+            fun: The function to lift; None gives a decorator.
+            **kwargs: `meshlift_pipeline.pipeline`'s keywords (`microbatches`, `repeats`,
+                `stage_axis`, `in_shardings`, `mesh`...).
+
+        Returns:
+            The `Lifted` function, or a decorator making one.
+
+        Raises:
+            BackendNotFoundError: If the `meshlift-pipeline` backend is not installed.
+            meshlift.errors.PluginError: If its backend has no front end.
+
+        Example:
+
+        ```python
+        def forward(weights, x):
+            y, _ = ml.scan_layers(lambda x, w: (jnp.tanh(x @ w), None), x, weights)
+            return y
+
+        mesh = ml.make_mesh({"stage": 4, "data": 2})
+        weights, x = jnp.ones((8, 4, 4)) / 4, jnp.ones((8, 4))
+        y = ml.pipeline(forward, microbatches=2, in_shardings=(P("stage"), P("data")),
+                        mesh=mesh)(weights, x)   # 4 stages of 2 layers, 2 microbatches
+        assert jnp.allclose(y, ml.jit(forward)(weights, x))
+        ```
+        """
+        return _frontend("pipeline")(fun, **kwargs)
+
 
 __all__ = [
     "AxisRuleWarning",
@@ -288,10 +322,12 @@ __all__ = [
     "logical_to_mesh_sharding",
     "make_mesh",
     "path_endswith",
+    "pipeline",
     "pjit",
     "plugins",
     "remove_axis",
     "replace_boxed",
+    "scan_layers",
     "shard_map",
     "takes_lift_options",
     "transform",

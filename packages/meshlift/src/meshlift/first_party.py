@@ -1,7 +1,7 @@
 """The core's front ends and the distributions that own their names.
 
-`ml.jit`, `ml.shard_map` and `ml.pjit` run the backends named "jit",
-"shard_map" and "pjit", and each name belongs to the distribution that the
+`ml.jit`, `ml.shard_map`, `ml.pjit` and `ml.pipeline` run the backends named
+"jit", "shard_map", "pjit" and "pipeline", and each name belongs to the distribution that the
 core's extra of the same name installs (`pip install 'meshlift[jit]'`):
 `meshlift.plugins` refuses another plugin that registers one of them.
 
@@ -24,7 +24,7 @@ from importlib import metadata
 from types import MappingProxyType
 
 #: The core's front ends: `ml.jit` runs the backend named "jit", and so on.
-FRONT_ENDS = ("jit", "shard_map", "pjit")
+FRONT_ENDS = ("jit", "shard_map", "pjit", "pipeline")
 
 
 @functools.cache

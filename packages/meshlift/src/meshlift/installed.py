@@ -95,7 +95,7 @@ class InstalledBackends:
 
     ```python
     installed = ml.backends()
-    assert sorted(b.name for b in installed) == ["jit", "pjit", "shard_map"]  # the in-repo three
+    assert sorted(b.name for b in installed) == ["jit", "pipeline", "pjit", "shard_map"]  # the in-repo four
     assert installed.errors == ()
     ```
     """

@@ -127,7 +127,7 @@ def backends() -> InstalledBackends:
     Example:
 
     ```python
-    assert sorted(b.name for b in ml.backends()) == ["jit", "pjit", "shard_map"]
+    assert sorted(b.name for b in ml.backends()) == ["jit", "pipeline", "pjit", "shard_map"]
     print(ml.backends())
     # Installed backends:
     #   jit (meshlift-jit 0.1.0) [...] ...

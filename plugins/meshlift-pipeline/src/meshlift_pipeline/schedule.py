@@ -1,0 +1,231 @@
+"""The pipeline schedule: a scan over a stack of layers, run as stages over microbatches.
+
+`Schedule.scan(f, init, xs)` computes what `jax.lax.scan(f, init, xs)` computes for a
+layer stack (`f(carry, layer) -> (carry, None)`, every leaf of `xs` with a leading
+layer axis) with the layers split into `S` stages along the mesh axis `axis` and the
+batch (the carry's leading axis) into `M` microbatches, as a GSPMD pipeline (MaxText's
+`layers/pipeline.py`): the stage dimension of the layer weights and of the activations
+in flight is sharded over `axis`, every stage runs at every step on the activation its
+neighbour passed it (`jnp.roll` over the stage dimension: a collective permute), and
+the loop runs `M * R + S - 1` steps. With `repeats=R > 1` (circular), stage `s` holds
+the layer groups `s, s + S, s + 2S, ...` and each microbatch passes the stages `R` times.
+
+Example:
+
+```python
+import jax, jax.numpy as jnp
+from meshlift_pipeline.schedule import Schedule
+
+mesh = jax.make_mesh((4,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+weights = jnp.ones((8, 3, 3)) / 3  # 8 layers
+f = lambda x, w: (jnp.tanh(x @ w), None)
+x = jnp.ones((6, 3))
+with jax.set_mesh(mesh):
+    y, _ = jax.jit(lambda x, w: Schedule(mesh, "stage", microbatches=3).scan(f, x, w))(x, weights)
+expected, _ = jax.lax.scan(f, x, weights)
+assert jnp.allclose(y, expected, rtol=1e-6)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, get_abstract_mesh
+from jax.sharding import PartitionSpec as P
+
+
+@attrs.frozen
+class Schedule:
+    """How a layer stack runs pipelined: over `mesh`'s axis `axis`, its batch split into
+    `microbatches` (None: one per stage), each passing the stages `repeats` times (1:
+    GPipe; more: circular)."""
+
+    mesh: Any
+    axis: str
+    given_microbatches: int | None = attrs.field(default=None, alias="microbatches")
+    repeats: int = 1
+
+    @property
+    def microbatches(self) -> int:
+        return self.given_microbatches or self.stages
+
+    @property
+    def stages(self) -> int:
+        """The size of the stage axis; 1 (no pipeline) on a mesh without it, or none."""
+        return 1 if self.mesh is None else int(dict(self.mesh.shape).get(self.axis, 1))
+
+    def steps(self) -> int:
+        """The loop's length: `M * R + S - 1` stage steps."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    def passes(self, t: Any, xp: Any = jnp) -> tuple[Any, Any, Any]:
+        """What each stage works on at stage step `t`: the microbatch, the repeat, and
+        whether it works at all (False: a bubble). The traced loop calls it with `jnp`,
+        `timeline` with numpy."""
+        work = t - xp.arange(self.stages)  # the pass of a microbatch through the stages
+        valid = (work >= 0) & (work < self.microbatches * self.repeats)
+        repeat = xp.clip(work // self.microbatches, 0, self.repeats - 1)
+        return work % self.microbatches, repeat, valid
+
+    def timeline(self) -> str:
+        """The schedule drawn: a row per stage, a column per stage step, each cell the
+        microbatch the stage runs then (with its repeat after a colon when `repeats > 1`),
+        `.` for a bubble; then the bubble fraction, counted.
+
+        Example:
+
+        ```python
+        from meshlift_pipeline import Schedule
+
+        mesh = ml.make_mesh({"stage": 2}, devices=jax.devices()[:2])
+        print(Schedule(mesh, "stage", microbatches=3).timeline())
+        # stage 0 │ 0 1 2 .
+        # stage 1 │ . 0 1 2
+        # 4 stage steps; bubbles 2 of 8 cells (0.25 = (S-1)/(M*R+S-1))
+        ```
+        """
+        cells = np.array([self._cells(t) for t in range(self.steps())]).T
+        width = max(map(len, cells.flat))
+        rows = [
+            f"stage {s} │ " + " ".join(cell.rjust(width) for cell in row)
+            for s, row in enumerate(cells)
+        ]
+        bubbles = int((cells == ".").sum())
+        rows.append(
+            f"{self.steps()} stage steps; bubbles {bubbles} of {cells.size} cells "
+            f"({bubbles / cells.size:.2f} = (S-1)/(M*R+S-1))"
+        )
+        return "\n".join(rows)
+
+    def _cells(self, t: int) -> list[str]:
+        microbatch, repeat, valid = self.passes(t, np)
+        return [
+            "." if not v else str(m) if self.repeats == 1 else f"{m}:{r}"
+            for m, r, v in zip(microbatch, repeat, valid, strict=True)
+        ]
+
+    def scan(self, f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -> Any:
+        """`jax.lax.scan(f, init, xs)` for a layer stack, pipelined; `(carry, None)`."""
+        layers, batch = self._check(init, xs)
+        if self.stages == 1:  # one stage: the microbatches in turn, nothing to lay out
+            return self._scan(f, init, xs, layers, batch, None)
+        if all(t == AxisType.Auto for t in self.mesh.axis_types):
+            return self._scan(f, init, xs, layers, batch, self.mesh)
+        # Explicit axes (sharding in types): the schedule's reshapes and rolls are written
+        # for the compiler to partition, as under Auto axes; the carry leaves as it came.
+        out = tuple(jax.typeof(leaf).sharding for leaf in jax.tree.leaves(init))
+        run = jax.sharding.auto_axes(
+            lambda init, xs: tuple(
+                jax.tree.leaves(self._scan(f, init, xs, layers, batch, get_abstract_mesh())[0])
+            ),
+            out_sharding=out,
+        )
+        leaves = run(init, xs)
+        return jax.tree.unflatten(jax.tree.structure(init), leaves), None
+
+    def _check(self, init: Any, xs: Any) -> tuple[int, int]:
+        """The stack's depth and the batch size, or a ValueError saying what does not fit."""
+        S, M, R = self.stages, self.microbatches, self.repeats
+        depths = {_leading(leaf) for leaf in jax.tree.leaves(xs)}
+        if len(depths) != 1 or -1 in depths:
+            raise ValueError(
+                f"a pipelined layer stack needs every leaf of xs to have the same leading "
+                f"(layer) axis, got leading sizes {sorted(map(_size, depths))}"
+            )
+        (layers,) = depths
+        if layers % (S * R):
+            raise ValueError(
+                f"{layers} layers do not split into {S} stages (mesh axis {self.axis!r} of "
+                f"mesh {dict(self.mesh.shape)}) x {R} repeats: the depth must be a multiple "
+                f"of stages x repeats = {S * R}"
+            )
+        batches = {_leading(leaf) for leaf in jax.tree.leaves(init)}
+        if len(batches) != 1 or -1 in batches or next(iter(batches)) % M:
+            raise ValueError(
+                f"a pipelined layer stack splits the carry's leading (batch) axis into "
+                f"{M} microbatches; the carry's leading sizes are "
+                f"{sorted(map(_size, batches))}: give a batch that {M} divides, or another "
+                f"microbatches="
+            )
+        if R > 1 and M < S:
+            raise ValueError(
+                f"the circular schedule (repeats={R}) needs at least as many microbatches as "
+                f"stages: {M} microbatches < {S} stages (mesh axis {self.axis!r}); a "
+                f"microbatch leaving the last stage goes back to the first, which must not "
+                f"be busy with an earlier one"
+            )
+        return layers, next(iter(batches))
+
+    def _scan(self, f: Callable, init: Any, xs: Any, layers: int, batch: int, mesh: Any) -> Any:
+        """The schedule, on `mesh` (its axes Auto; None: one stage, no constraints)."""
+        S, M, R = self.stages, self.microbatches, self.repeats
+        per_stage = layers // (S * R)
+
+        def by_stage(a: jax.Array) -> jax.Array:  # [L, ...] -> [R, S, L / (S R), ...]
+            a = a.reshape(R, S, per_stage, *a.shape[1:])
+            return _constrain(mesh, self.axis, a, 1)
+
+        leaves, layer = jax.tree.flatten(xs)  # the layers' arrays; modules rebuilt per layer
+        weights = [by_stage(leaf) for leaf in leaves]
+        inputs = jax.tree.map(lambda a: a.reshape(M, batch // M, *a.shape[1:]), init)
+        # the activations in flight, one per stage; the first microbatch to start with, so
+        # that a stage idle in the bubble computes on real numbers (no NaN from zeros)
+        state = jax.tree.map(lambda a: jnp.stack([a[0]] * S), inputs)
+
+        def stage(weights: list[jax.Array], repeat: jax.Array, x: Any) -> Any:
+            mine = [w[repeat] for w in weights]
+            carry, ys = jax.lax.scan(lambda c, w: f(c, jax.tree.unflatten(layer, w)), x, mine)
+            if ys is not None:
+                raise ValueError(
+                    "a pipelined layer stack's function returns (carry, None): per-layer "
+                    f"outputs are not gathered across stages, got {jax.tree.structure(ys)}"
+                )
+            return carry
+
+        run = jax.vmap(stage, in_axes=(1, 0, 0))
+
+        def by_stages(a: jax.Array) -> jax.Array:
+            return _constrain(mesh, self.axis, a, 0)
+
+        def step(loop: tuple[Any, Any], t: jax.Array) -> tuple[tuple[Any, Any], None]:
+            state, io = loop
+            _, repeat, _ = self.passes(t)
+            # stage 0 takes microbatch t % M: a new one, or one back from the last stage
+            first = jax.tree.map(lambda a: a[t % M], io)
+            shifted = jax.tree.map(lambda a: by_stages(jnp.roll(a, 1, 0)), state)
+            x = jax.tree.map(lambda s, a: s.at[0].set(a), shifted, first)
+            out = jax.tree.map(by_stages, run(weights, repeat, x))
+            done = t - (S - 1)  # the pass leaving the last stage now
+            keep = (done >= 0) & (done < M * R)
+            slot = jnp.clip(done, 0, M * R - 1) % M
+            io = jax.tree.map(lambda a, o: jnp.where(keep, a.at[slot].set(o[S - 1]), a), io, out)
+            return (out, io), None
+
+        state = jax.tree.map(by_stages, state)
+        (_, io), _ = jax.lax.scan(step, (state, inputs), jnp.arange(self.steps()))
+        return jax.tree.map(lambda a: a.reshape(batch, *a.shape[2:]), io), None
+
+
+def _constrain(mesh: Any, axis: str, a: jax.Array, dim: int) -> jax.Array:
+    """`a` with dimension `dim` over `axis`, the others left to the compiler (no `mesh`:
+    `a` as it is)."""
+    if mesh is None:
+        return a
+    spec: list[Any] = [P.UNCONSTRAINED] * a.ndim
+    spec[dim] = axis
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+
+
+def _leading(leaf: Any) -> int:
+    """The size of a leaf's leading axis; -1 for a scalar."""
+    return int(leaf.shape[0]) if jnp.ndim(leaf) else -1
+
+
+def _size(leading: int) -> str:
+    return "a scalar" if leading < 0 else str(leading)
