@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
@@ -77,8 +78,10 @@ def reference():
     return run(nnx.jit(train_step), model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
 
 
-def pipelined(shape, microbatches, repeats):
-    mesh = ml.make_mesh(dict(zip(("stage", "data", "model"), shape, strict=True)))
+def pipelined(shape, microbatches, repeats, axis_types=AxisType.Auto):
+    mesh = ml.make_mesh(
+        dict(zip(("stage", "data", "model"), shape, strict=True)), axis_types=(axis_types,) * 3
+    )
     with ml.use_mesh(mesh), ml.axis_rules(RULES):
         model = Stack(nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -100,26 +103,28 @@ def assert_trees_close(got, want, what):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{what} {path}")
 
 
-# (stage, data, model), microbatches, repeats: 2, 4 and 8 stages; GPipe and circular;
-# microbatch counts that are multiples of the stage count and that are not
+# (stage, data, model), microbatches, repeats, mesh axis types: 2, 4 and 8 stages;
+# GPipe and circular; microbatch counts that are multiples of the stage count and that
+# are not; Auto axes and Explicit ones (sharding in types, jax.make_mesh's default)
 SCHEDULES = [
-    ((2, 2, 2), 4, 1),
-    ((2, 2, 2), 3, 1),
-    ((2, 2, 2), 4, 2),
-    ((4, 2, 1), 6, 2),
-    ((4, 1, 2), 2, 1),
-    ((8, 1, 1), 8, 1),
-    ((8, 1, 1), 3, 1),
+    ((2, 2, 2), 4, 1, AxisType.Auto),
+    ((2, 2, 2), 3, 1, AxisType.Auto),
+    ((2, 2, 2), 4, 2, AxisType.Auto),
+    ((2, 2, 2), 4, 2, AxisType.Explicit),
+    ((4, 2, 1), 6, 2, AxisType.Auto),
+    ((4, 1, 2), 2, 1, AxisType.Explicit),
+    ((8, 1, 1), 8, 1, AxisType.Auto),
+    ((8, 1, 1), 3, 1, AxisType.Auto),
 ]
 
 
 @pytest.mark.parametrize(
-    ("shape", "microbatches", "repeats"),
+    ("shape", "microbatches", "repeats", "axis_types"),
     SCHEDULES,
-    ids=[f"{'x'.join(map(str, s))}-M{m}-R{r}" for s, m, r in SCHEDULES],
+    ids=[f"{'x'.join(map(str, s))}-M{m}-R{r}-{t.name}" for s, m, r, t in SCHEDULES],
 )
-def test_losses_gradients_and_steps_equal_the_plain_scan(shape, microbatches, repeats):
-    step, model, optimizer, _mesh = pipelined(shape, microbatches, repeats)
+def test_losses_gradients_and_steps_equal_the_plain_scan(shape, microbatches, repeats, axis_types):
+    step, model, optimizer, _mesh = pipelined(shape, microbatches, repeats, axis_types)
     losses, grads, params = run(step, model, optimizer)
     ref_losses, ref_grads, ref_params = reference()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

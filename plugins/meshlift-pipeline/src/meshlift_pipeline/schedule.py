@@ -119,14 +119,14 @@ class Schedule:
             return self._scan(f, init, xs, layers, batch, self.mesh)
         # Explicit axes (sharding in types): the schedule's reshapes and rolls are written
         # for the compiler to partition, as under Auto axes; the carry leaves as it came.
-        out = tuple(jax.typeof(leaf).sharding for leaf in jax.tree.leaves(init))
-        run = jax.sharding.auto_axes(
-            lambda init, xs: tuple(
-                jax.tree.leaves(self._scan(f, init, xs, layers, batch, get_abstract_mesh())[0])
-            ),
-            out_sharding=out,
-        )
-        leaves = run(init, xs)
+        specs = [jax.typeof(leaf).sharding.spec for leaf in jax.tree.leaves(init)]
+        with jax.sharding.use_abstract_mesh(_abstract(self.mesh)):  # auto_axes reads it
+            leaves = jax.sharding.auto_axes(
+                lambda init, xs: tuple(
+                    jax.tree.leaves(self._scan(f, init, xs, layers, batch, get_abstract_mesh())[0])
+                ),
+                out_sharding=tuple(NamedSharding(self.mesh, spec) for spec in specs),
+            )(init, xs)
         return jax.tree.unflatten(jax.tree.structure(init), leaves), None
 
     def _check(self, init: Any, xs: Any) -> tuple[int, int]:
@@ -229,3 +229,7 @@ def _leading(leaf: Any) -> int:
 
 def _size(leading: int) -> str:
     return "a scalar" if leading < 0 else str(leading)
+
+
+def _abstract(mesh: Any) -> Any:
+    return mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
