@@ -22,6 +22,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
+from meshlift.layers import running
 from meshlift_pipeline import Schedule, pipeline
 
 LAYERS, WIDTH, BATCH, STEPS = 8, 16, 24, 3
@@ -154,7 +155,8 @@ def test_the_loop_runs_m_times_r_plus_s_minus_1_stage_steps(stages, microbatches
     weights = jnp.ones((LAYERS, WIDTH, WIDTH)) / WIDTH
 
     def forward(weights, x):
-        y, _ = schedule.scan(lambda x, w: (jnp.tanh(x @ w), None), x, weights)
+        with running(schedule.scan):
+            y, _ = ml.scan_layers(lambda x, w: (jnp.tanh(x @ w), None), x, weights)
         return jnp.sum(y)
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(forward))(weights, x).jaxpr
@@ -223,9 +225,72 @@ def test_options_are_checked_when_the_function_is_lifted(options, error, message
 
 def test_per_layer_outputs_are_refused_by_name():
     schedule = Schedule(ml.make_mesh({"stage": 2}, devices=jax.devices()[:2]), "stage", 2)
+
+    def forward(w, x):
+        with running(schedule.scan):
+            return ml.scan_layers(lambda x, w: (x @ w, x), x, w)
+
     with pytest.raises(ValueError, match=r"returns \(carry, None\)"):
-        jax.eval_shape(
-            lambda w, x: schedule.scan(lambda x, w: (x @ w, x), x, w),
-            jnp.ones((4, 3, 3)),
-            jnp.ones((4, 3)),
-        )
+        jax.eval_shape(forward, jnp.ones((4, 3, 3)), jnp.ones((4, 3)))
+
+
+class NoisyBlock(Block):
+    """A block that changes Variables as it runs: a counter, and its dropout stream's count."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.calls = nnx.BatchStat(jnp.zeros(()))
+        self.dropout = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.dropout(super().__call__(x))
+
+
+class NoisyStack(Stack):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def blocks(rngs):
+            return NoisyBlock(rngs)
+
+        self.blocks = blocks(rngs)
+
+
+def test_variables_the_layers_change_follow_each_microbatch_as_run_one_after_another():
+    """Under the pipeline each layer sees the microbatches in order, its counter and its
+    dropout stream moving once per microbatch: the same as running the unpipelined stack
+    on each microbatch in turn (the reference, nnx.jit on one device)."""
+    microbatches = 4
+
+    def sequential_step(model, optimizer, x, y):
+        def loss(model):
+            parts = zip(jnp.split(x, microbatches), jnp.split(y, microbatches), strict=True)
+            return jnp.mean(jnp.stack([jnp.mean((model(a) - b) ** 2) for a, b in parts]))
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value, grads
+
+    model = NoisyStack(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    want = run(nnx.jit(sequential_step), model, optimizer)
+
+    mesh = ml.make_mesh({"stage": 4, "data": 2, "model": 1})
+    with ml.use_mesh(mesh), ml.axis_rules(RULES):
+        piped = NoisyStack(nnx.Rngs(0, dropout=1))
+        piped_optimizer = nnx.Optimizer(piped, optax.adam(1e-2), wrt=nnx.Param)
+        plan = ml.StateSharding.from_metadata(piped, mesh=mesh)
+    step = pipeline(
+        train_step,
+        microbatches=microbatches,
+        in_shardings=(plan, plan, P("data"), P("data")),
+        mesh=mesh,
+    )
+    got = run(step, piped, piped_optimizer)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert_trees_close(got[2], want[2], f"after {STEPS} steps,")
+    assert piped.blocks.calls[...].tolist() == [STEPS * microbatches] * LAYERS
+    counts = piped.blocks.dropout.rngs.count[...]
+    np.testing.assert_array_equal(counts, model.blocks.dropout.rngs.count[...])
+    assert counts.tolist() == [STEPS * microbatches] * LAYERS

@@ -1,9 +1,9 @@
 """The pipeline schedule: a scan over a stack of layers, run as stages over microbatches.
 
-`Schedule.scan(f, init, xs)` computes what `jax.lax.scan(f, init, xs)` computes for a
-layer stack (`f(carry, layer) -> (carry, None)`, every leaf of `xs` with a leading
-layer axis) with the layers split into `S` stages along the mesh axis `axis` and the
-batch (the carry's leading axis) into `M` microbatches, as a GSPMD pipeline (MaxText's
+`Schedule.scan` runs what `ml.scan_layers(f, init, xs)` runs for a layer stack
+(`f(carry, layer) -> (carry, None)`, every leaf of `xs` with a leading layer axis)
+with the layers split into `S` stages along the mesh axis `axis` and the batch (the
+carry's leading axis) into `M` microbatches, as a GSPMD pipeline (MaxText's
 `layers/pipeline.py`): the stage dimension of the layer weights and of the activations
 in flight is sharded over `axis`, every stage runs at every step on the activation its
 neighbour passed it (`jnp.roll` over the stage dimension: a collective permute), and
@@ -14,22 +14,26 @@ Example:
 
 ```python
 import jax, jax.numpy as jnp
+import meshlift as ml
+from meshlift.layers import running
 from meshlift_pipeline.schedule import Schedule
 
-mesh = jax.make_mesh((4,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+mesh = ml.make_mesh({"stage": 4}, devices=jax.devices()[:4])
 weights = jnp.ones((8, 3, 3)) / 3  # 8 layers
 f = lambda x, w: (jnp.tanh(x @ w), None)
 x = jnp.ones((6, 3))
-with jax.set_mesh(mesh):
-    y, _ = jax.jit(lambda x, w: Schedule(mesh, "stage", microbatches=3).scan(f, x, w))(x, weights)
-expected, _ = jax.lax.scan(f, x, weights)
-assert jnp.allclose(y, expected, rtol=1e-6)
+
+@jax.jit
+def pipelined(x, weights):  # what the pipeline backend's staged step does
+    with running(Schedule(mesh, "stage", microbatches=3).scan):
+        return ml.scan_layers(f, x, weights)[0]
+
+assert jnp.allclose(pipelined(x, weights), jax.lax.scan(f, x, weights)[0], rtol=1e-6)
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -38,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, get_abstract_mesh
 from jax.sharding import PartitionSpec as P
+
+from meshlift.layers import Body
 
 
 @attrs.frozen
@@ -110,24 +116,32 @@ class Schedule:
             for m, r, v in zip(microbatch, repeat, valid, strict=True)
         ]
 
-    def scan(self, f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -> Any:
-        """`jax.lax.scan(f, init, xs)` for a layer stack, pipelined; `(carry, None)`."""
-        layers, batch = self._check(init, xs)
+    def scan(self, body: Body, init: Any, xs: Any, state: Any) -> tuple[Any, None, Any]:
+        """The stack pipelined: `body(carry, x, state) -> (carry, None, state)` for each
+        layer (`meshlift.layers.Scan`); returns the carry, no per-layer outputs, and each
+        layer's state as the last microbatch through it left it."""
+        layers, batch = self._check(init, (xs, state))
         if self.stages == 1:  # one stage: the microbatches in turn, nothing to lay out
-            return self._scan(f, init, xs, layers, batch, None)
+            return self._scan(body, init, xs, state, layers, batch, None)
         if all(t == AxisType.Auto for t in self.mesh.axis_types):
-            return self._scan(f, init, xs, layers, batch, self.mesh)
+            return self._scan(body, init, xs, state, layers, batch, self.mesh)
         # Explicit axes (sharding in types): the schedule's reshapes and rolls are written
-        # for the compiler to partition, as under Auto axes; the carry leaves as it came.
-        specs = [jax.typeof(leaf).sharding.spec for leaf in jax.tree.leaves(init)]
+        # for the compiler to partition, as under Auto axes; the carry and the state leave
+        # with the shardings they came in with.
+        out = (init, state)
+        specs = [jax.typeof(leaf).sharding.spec for leaf in jax.tree.leaves(out)]
+
+        def run(init: Any, xs: Any, state: Any) -> tuple[Any, ...]:
+            mesh = get_abstract_mesh()
+            carry, _, state = self._scan(body, init, xs, state, layers, batch, mesh)
+            return tuple(jax.tree.leaves((carry, state)))
+
         with jax.sharding.use_abstract_mesh(_abstract(self.mesh)):  # auto_axes reads it
             leaves = jax.sharding.auto_axes(
-                lambda init, xs: tuple(
-                    jax.tree.leaves(self._scan(f, init, xs, layers, batch, get_abstract_mesh())[0])
-                ),
-                out_sharding=tuple(NamedSharding(self.mesh, spec) for spec in specs),
-            )(init, xs)
-        return jax.tree.unflatten(jax.tree.structure(init), leaves), None
+                run, out_sharding=tuple(NamedSharding(self.mesh, spec) for spec in specs)
+            )(init, xs, state)
+        carry, state = jax.tree.unflatten(jax.tree.structure(out), leaves)
+        return carry, None, state
 
     def _check(self, init: Any, xs: Any) -> tuple[int, int]:
         """The stack's depth and the batch size, or a ValueError saying what does not fit."""
@@ -162,7 +176,9 @@ class Schedule:
             )
         return layers, next(iter(batches))
 
-    def _scan(self, f: Callable, init: Any, xs: Any, layers: int, batch: int, mesh: Any) -> Any:
+    def _scan(
+        self, body: Body, init: Any, xs: Any, state: Any, layers: int, batch: int, mesh: Any
+    ) -> tuple[Any, None, Any]:
         """The schedule, on `mesh` (its axes Auto; None: one stage, no constraints)."""
         S, M, R = self.stages, self.microbatches, self.repeats
         per_stage = layers // (S * R)
@@ -171,45 +187,64 @@ class Schedule:
             a = a.reshape(R, S, per_stage, *a.shape[1:])
             return _constrain(mesh, self.axis, a, 1)
 
-        leaves, layer = jax.tree.flatten(xs)  # the layers' arrays; modules rebuilt per layer
-        weights = [by_stage(leaf) for leaf in leaves]
+        def by_stages(a: jax.Array) -> jax.Array:  # [S, ...], one entry per stage
+            return _constrain(mesh, self.axis, a, 0)
+
+        # the layers' arrays, constant and changing; modules are rebuilt per layer
+        x_leaves, x_tree = jax.tree.flatten(xs)
+        s_leaves, s_tree = jax.tree.flatten(state)
+        weights = [by_stage(leaf) for leaf in x_leaves]
         inputs = jax.tree.map(lambda a: a.reshape(M, batch // M, *a.shape[1:]), init)
         # the activations in flight, one per stage; the first microbatch to start with, so
         # that a stage idle in the bubble computes on real numbers (no NaN from zeros)
-        state = jax.tree.map(lambda a: jnp.stack([a[0]] * S), inputs)
+        flight = jax.tree.map(lambda a: by_stages(jnp.stack([a[0]] * S)), inputs)
 
-        def stage(weights: list[jax.Array], repeat: jax.Array, x: Any) -> Any:
-            mine = [w[repeat] for w in weights]
-            carry, ys = jax.lax.scan(lambda c, w: f(c, jax.tree.unflatten(layer, w)), x, mine)
+        def layer(carry: Any, both: tuple[list, list]) -> tuple[Any, list]:
+            carry, ys, new = body(
+                carry, jax.tree.unflatten(x_tree, both[0]), jax.tree.unflatten(s_tree, both[1])
+            )
             if ys is not None:
                 raise ValueError(
                     "a pipelined layer stack's function returns (carry, None): per-layer "
                     f"outputs are not gathered across stages, got {jax.tree.structure(ys)}"
                 )
-            return carry
+            return carry, jax.tree.leaves(new)
 
-        run = jax.vmap(stage, in_axes=(1, 0, 0))
+        def stage(weights: list, kept: list, repeat: jax.Array, valid: jax.Array, x: Any):
+            """One stage's step: its layer group of this repeat on `x`; its state kept
+            where it idles (a bubble)."""
+            mine = [w[repeat] for w in weights]
+            carry, new = jax.lax.scan(layer, x, (mine, [k[repeat] for k in kept]))
+            kept = [
+                k.at[repeat].set(jnp.where(valid, n, k[repeat]))
+                for k, n in zip(kept, new, strict=True)
+            ]
+            return carry, kept
 
-        def by_stages(a: jax.Array) -> jax.Array:
-            return _constrain(mesh, self.axis, a, 0)
+        run = jax.vmap(stage, in_axes=(1, 1, 0, 0, 0), out_axes=(0, 1))
 
-        def step(loop: tuple[Any, Any], t: jax.Array) -> tuple[tuple[Any, Any], None]:
-            state, io = loop
-            _, repeat, _ = self.passes(t)
+        def step(loop: tuple[Any, Any, list], t: jax.Array) -> tuple[tuple, None]:
+            flight, io, kept = loop
+            _, repeat, valid = self.passes(t)
             # stage 0 takes microbatch t % M: a new one, or one back from the last stage
             first = jax.tree.map(lambda a: a[t % M], io)
-            shifted = jax.tree.map(lambda a: by_stages(jnp.roll(a, 1, 0)), state)
+            shifted = jax.tree.map(lambda a: by_stages(jnp.roll(a, 1, 0)), flight)
             x = jax.tree.map(lambda s, a: s.at[0].set(a), shifted, first)
-            out = jax.tree.map(by_stages, run(weights, repeat, x))
+            out, kept = run(weights, kept, repeat, valid, x)
+            out = jax.tree.map(by_stages, out)
+            kept = [_constrain(mesh, self.axis, k, 1) for k in kept]
             done = t - (S - 1)  # the pass leaving the last stage now
             keep = (done >= 0) & (done < M * R)
             slot = jnp.clip(done, 0, M * R - 1) % M
             io = jax.tree.map(lambda a, o: jnp.where(keep, a.at[slot].set(o[S - 1]), a), io, out)
-            return (out, io), None
+            return (out, io, kept), None
 
-        state = jax.tree.map(by_stages, state)
-        (_, io), _ = jax.lax.scan(step, (state, inputs), jnp.arange(self.steps()))
-        return jax.tree.map(lambda a: a.reshape(batch, *a.shape[2:]), io), None
+        kept = [by_stage(leaf) for leaf in s_leaves]
+        loop = (flight, inputs, kept)
+        (_, io, kept), _ = jax.lax.scan(step, loop, jnp.arange(self.steps()))
+        carry = jax.tree.map(lambda a: a.reshape(batch, *a.shape[2:]), io)
+        state = jax.tree.unflatten(s_tree, [k.reshape(layers, *k.shape[3:]) for k in kept])
+        return carry, None, state
 
 
 def _constrain(mesh: Any, axis: str, a: jax.Array, dim: int) -> jax.Array:
