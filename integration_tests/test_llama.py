@@ -143,7 +143,11 @@ def test_the_worked_example_trains_and_decodes_as_plain_flax(backend):
     for (path, got), want in zip(
         jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params), strict=True
     ):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=str(path))
+        # atol: Adam divides each gradient by its own scale, so a weight whose gradient is
+        # near zero moves by about the learning rate (3e-3) on rounding noise alone; the
+        # sharded runs sum in another order than one device (jax 0.12: 1.4e-5 on one
+        # element of 4,096, every backend alike)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=5e-5, err_msg=str(path))
     kernel = model.blocks.attention.q[...]
     expected = plan.spec_for(("blocks", "attention", "q"), model.blocks.attention.q)
     assert kernel.sharding.spec == expected
