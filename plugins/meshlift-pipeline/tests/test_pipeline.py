@@ -41,11 +41,11 @@ class Block(nnx.Module):
 
 
 class Stack(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, block=Block):
         @nnx.split_rngs(splits=LAYERS)
         @nnx.vmap(in_axes=(0,), transform_metadata={nnx.PARTITION_NAME: "layers"})
         def blocks(rngs):
-            return Block(rngs)
+            return block(rngs)
 
         self.blocks = blocks(rngs)
 
@@ -247,16 +247,6 @@ class NoisyBlock(Block):
         return self.dropout(super().__call__(x))
 
 
-class NoisyStack(Stack):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=LAYERS)
-        @nnx.vmap(in_axes=(0,), transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def blocks(rngs):
-            return NoisyBlock(rngs)
-
-        self.blocks = blocks(rngs)
-
-
 def test_variables_the_layers_change_follow_each_microbatch_as_run_one_after_another():
     """Under the pipeline each layer sees the microbatches in order, its counter and its
     dropout stream moving once per microbatch: the same as running the unpipelined stack
@@ -272,13 +262,13 @@ def test_variables_the_layers_change_follow_each_microbatch_as_run_one_after_ano
         optimizer.update(model, grads)
         return value, grads
 
-    model = NoisyStack(nnx.Rngs(0, dropout=1))
+    model = Stack(nnx.Rngs(0, dropout=1), NoisyBlock)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     want = run(nnx.jit(sequential_step), model, optimizer)
 
     mesh = ml.make_mesh({"stage": 4, "data": 2, "model": 1})
     with ml.use_mesh(mesh), ml.axis_rules(RULES):
-        piped = NoisyStack(nnx.Rngs(0, dropout=1))
+        piped = Stack(nnx.Rngs(0, dropout=1), NoisyBlock)
         piped_optimizer = nnx.Optimizer(piped, optax.adam(1e-2), wrt=nnx.Param)
         plan = ml.StateSharding.from_metadata(piped, mesh=mesh)
     step = pipeline(
