@@ -4,6 +4,7 @@ under `jax.jit` as its reference: the error is of JAX's type, JAX's message stan
 the plan is not at fault, and where it is, a `PlanError` names the path, JAX's error its
 cause."""
 
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +63,14 @@ def test_an_output_the_out_specs_cannot_shard_is_a_plan_error_naming_it():
         "{'data': 2, 'model': 4}: dimension 0 (size 6) is not divisible by 4"
     )
     assert type(ours.__cause__) is type(reference)  # JAX's own error, kept as the cause
-    assert str(ours.__cause__) == str(reference)
+    # jax 0.12 names the output by its path in what the staged function returns (the
+    # user's result is its third output) and ends with the line of the call (the two
+    # calls above are on two lines)
+    def words(error):
+        text = str(error).replace("result[2]", "result")
+        return re.sub(r" This error occurs at source: .*$", "", text, flags=re.S)
+
+    assert words(ours.__cause__) == words(reference)
 
 
 def test_sharding_in_types_on_an_auto_mesh_says_how_to_make_an_explicit_one():
