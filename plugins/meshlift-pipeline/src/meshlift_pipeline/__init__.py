@@ -29,6 +29,7 @@ assert jnp.allclose(y, ml.jit(forward)(weights, x), rtol=1e-6)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -46,9 +47,6 @@ except PackageNotFoundError:  # running from a source tree without an install
 
 __all__ = ["BACKEND", "Schedule", "pipeline", "stage"]
 
-PIPELINE_OPTIONS = ("microbatches", "repeats", "stage_axis")
-
-
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     """`jax.jit` over the pure function, whose stacks of layers run pipelined.
 
@@ -64,6 +62,7 @@ def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     microbatches, repeats = options.pop("microbatches"), options.pop("repeats")
     schedule = Schedule(spec.mesh, axis, microbatches, repeats)
 
+    @functools.wraps(fn)  # jax names the program after it: jit_train_step
     def pipelined(*args: Any) -> Any:
         with running(schedule.scan):
             return fn(*args)
