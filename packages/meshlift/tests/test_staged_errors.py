@@ -5,6 +5,7 @@ the plan is not at fault, and where it is, a `PlanError` names the path, JAX's e
 cause."""
 
 import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +64,7 @@ def test_an_output_the_out_specs_cannot_shard_is_a_plan_error_naming_it():
         "{'data': 2, 'model': 4}: dimension 0 (size 6) is not divisible by 4"
     )
     assert type(ours.__cause__) is type(reference)  # JAX's own error, kept as the cause
+
     # jax 0.12 names the output by its path in what the staged function returns (the
     # user's result is its third output) and ends with the line of the call (the two
     # calls above are on two lines)

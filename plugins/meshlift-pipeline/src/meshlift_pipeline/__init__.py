@@ -47,6 +47,7 @@ except PackageNotFoundError:  # running from a source tree without an install
 
 __all__ = ["BACKEND", "Schedule", "pipeline", "stage"]
 
+
 def stage(fn: Callable[..., Any], spec: ml.StageSpec) -> Any:
     """`jax.jit` over the pure function, whose stacks of layers run pipelined.
 

@@ -353,8 +353,9 @@ LAYERS: dict[str, Callable[[Any], Job]] = {
     ),
     "WeightNorm": _layer(lambda r: nnx.WeightNorm(nnx.Linear(4, 8, rngs=r), rngs=r), (8, 4), 8),
 }
-if hasattr(nnx, "RoPE"):  # flax 0.12.12 on: its sin and cos tables kept as Variables
-    LAYERS["RoPE"] = _layer(lambda r: nnx.RoPE(embedding_size=4, max_seq_len=8), (8, 3, 1, 4), 12)
+_ROPE: Any = getattr(nnx, "RoPE", None)  # flax 0.12.12 on: its sin and cos tables kept as Variables
+if _ROPE is not None:
+    LAYERS["RoPE"] = _layer(lambda r: _ROPE(embedding_size=4, max_seq_len=8), (8, 3, 1, 4), 12)
 
 
 # -- state objects ----------------------------------------------------------------------------
