@@ -190,13 +190,28 @@ def test_a_mesh_without_the_stage_axis_runs_the_stack_as_one_stage():
     np.testing.assert_allclose(losses, reference()[0], rtol=1e-5)
     assert Schedule(ml.make_mesh({"data": 8}), "stage", 4).stages == 1
     assert Schedule(mesh, "stage").microbatches == 1  # by default, one per stage
+    with (
+        pytest.raises(ValueError, match="mesh axis 'stage' of no mesh"),
+        running(Schedule(None, "stage", 4, repeats=3).scan),
+    ):
+        ml.scan_layers(lambda x, w: (x @ w, None), jnp.ones((4, 3)), jnp.ones((8, 3, 3)))
 
 
 @pytest.mark.parametrize(
     ("shape", "microbatches", "repeats", "message"),
     [
-        ((2, 2, 2), 5, 1, "splits the carry's leading (batch) axis into 5 microbatches"),
-        ((8, 1, 1), 8, 2, "8 layers do not split into 8 stages"),
+        (
+            (2, 2, 2),
+            5,
+            1,
+            "into 5 microbatches; the carry's leading sizes are ['24'] (shapes (24, 16))",
+        ),
+        (
+            (8, 1, 1),
+            8,
+            2,
+            "8 layers (the stack's shapes (8, 16), (8, 16, 16), (8, 16)) do not split into 8 stages (mesh axis 'stage' of mesh {'stage': 8, 'data': 1, 'model': 1}) x 2 repeats",
+        ),
         ((4, 2, 1), 2, 2, "needs at least as many microbatches as stages: 2 microbatches"),
     ],
 )

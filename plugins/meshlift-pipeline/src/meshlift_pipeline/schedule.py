@@ -150,31 +150,36 @@ class Schedule:
         if len(depths) != 1 or -1 in depths:
             raise ValueError(
                 f"a pipelined layer stack needs every leaf of xs to have the same leading "
-                f"(layer) axis, got leading sizes {sorted(map(_size, depths))}"
+                f"(layer) axis, got leading sizes {sorted(map(_size, depths))} (shapes "
+                f"{_shapes(xs)}): stack every layer's arrays along axis 0, as nnx.vmap does"
             )
         (layers,) = depths
         if layers % (S * R):
             raise ValueError(
-                f"{layers} layers do not split into {S} stages (mesh axis {self.axis!r} of "
-                f"mesh {dict(self.mesh.shape)}) x {R} repeats: the depth must be a multiple "
-                f"of stages x repeats = {S * R}"
+                f"{layers} layers (the stack's shapes {_shapes(xs)}) do not split into {S} "
+                f"stages (mesh axis {self.axis!r} of {self._mesh_text()}) x {R} repeats: the "
+                f"depth must be a multiple of stages x repeats = {S * R}; change repeats= or "
+                f"the size of {self.axis!r}"
             )
         batches = {_leading(leaf) for leaf in jax.tree.leaves(init)}
         if len(batches) != 1 or -1 in batches or next(iter(batches)) % M:
             raise ValueError(
                 f"a pipelined layer stack splits the carry's leading (batch) axis into "
                 f"{M} microbatches; the carry's leading sizes are "
-                f"{sorted(map(_size, batches))}: give a batch that {M} divides, or another "
-                f"microbatches="
+                f"{sorted(map(_size, batches))} (shapes {_shapes(init)}): give a batch that "
+                f"{M} divides, or another microbatches="
             )
         if R > 1 and M < S:
             raise ValueError(
                 f"the circular schedule (repeats={R}) needs at least as many microbatches as "
-                f"stages: {M} microbatches < {S} stages (mesh axis {self.axis!r}); a "
-                f"microbatch leaving the last stage goes back to the first, which must not "
-                f"be busy with an earlier one"
+                f"stages: {M} microbatches < {S} stages (mesh axis {self.axis!r} of "
+                f"{self._mesh_text()}); a microbatch leaving the last stage goes back to the "
+                f"first, which must not be busy with an earlier one: give microbatches>={S}"
             )
         return layers, next(iter(batches))
+
+    def _mesh_text(self) -> str:
+        return "no mesh" if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
 
     def _scan(
         self, body: Body, init: Any, xs: Any, state: Any, layers: int, batch: int, mesh: Any
@@ -268,3 +273,9 @@ def _size(leading: int) -> str:
 
 def _abstract(mesh: Any) -> Any:
     return mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+
+
+def _shapes(tree: Any) -> str:
+    """The shapes of a tree's first three arrays, for an error message."""
+    shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(tree)]
+    return ", ".join(map(str, shapes[:3])) + (", ..." if len(shapes) > 3 else "")
