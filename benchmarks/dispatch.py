@@ -39,6 +39,7 @@ import collections
 import gc
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -392,8 +393,7 @@ def measure_depth(
 
     live = [run for run in runs.values() if run.ok]
     for r in range(rounds):
-        # round-robin, rotating the order so no variant always goes first
-        order = live[r % len(live) :] + live[: r % len(live)] if live else []
+        order = random.Random(r).sample(live, len(live))  # no variant always follows another
         gc.collect()  # ~0.2 s with jax loaded: once per round, not per batch
         for run in order:
             try:
