@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import meshlift as ml
-from meshlift import demo, demo_display
+from meshlift.tools import demo, demo_display
 
 STEPS = "8"
 
@@ -179,7 +179,7 @@ def test_demo_too_few_devices_exits_nonzero():
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "meshlift.demo", "--steps", "1"],
+        [sys.executable, "-m", "meshlift.tools.demo", "--steps", "1"],
         env=env,
         capture_output=True,
         text=True,
@@ -214,7 +214,7 @@ def test_demo_raises_the_simulated_device_count_to_the_mesh():
         [
             sys.executable,
             "-c",
-            "import sys; from meshlift.cli import main; sys.exit(main(sys.argv[1:]))",
+            "import sys; from meshlift.tools.cli import main; sys.exit(main(sys.argv[1:]))",
             *argv,
             "--sample",
             "0",

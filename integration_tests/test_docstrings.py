@@ -44,7 +44,7 @@ FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 def name_of(path: Path) -> str:
-    """`meshlift/lift.py`: the path below its source root."""
+    """`meshlift/call/lift.py`: the path below its source root."""
     src = next(src for src in SOURCES if path.is_relative_to(src))
     return path.relative_to(src).as_posix()
 
@@ -88,7 +88,11 @@ EXAMPLES = examples()
 
 def test_the_modules_are_found():
     names = {name_of(path) for path in MODULES}
-    assert {"meshlift/lift.py", "meshlift_jit/__init__.py", "meshlift_remat/__init__.py"} <= names
+    assert {
+        "meshlift/call/lift.py",
+        "meshlift_jit/__init__.py",
+        "meshlift_remat/__init__.py",
+    } <= names
     assert len(EXAMPLES) > 30
 
 

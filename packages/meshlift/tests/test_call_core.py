@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift import resolve
-from meshlift.graph import GraphSplit
+from meshlift.graph.split import GraphSplit
+from meshlift.plans import resolve
 
 MESH = ml.make_mesh({"data": 2, "model": 4})
 

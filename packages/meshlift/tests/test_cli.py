@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-import meshlift
+import meshlift.tools
 from meshlift import plugins
-from meshlift.cli import main
+from meshlift.tools.cli import main
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_backends_listing_leaves_out_disabled_plugins(toy, capsys, monkeypatch):
 
 
 def test_the_listing_reads_the_same_entry_point_group_as_the_registry():
-    from meshlift import cli
+    from meshlift.tools import cli
 
     assert (cli.ENTRY_POINT_GROUP, cli.DISABLE_ENV) == (
         plugins.ENTRY_POINT_GROUP,
@@ -240,7 +240,7 @@ def test_help_shows_every_option_with_an_example(command, capsys, demo_env):
 
 @pytest.fixture
 def demo_env(monkeypatch):
-    """Importing meshlift.demo sets XLA_FLAGS and JAX_PLATFORMS: undo that afterwards."""
+    """Importing meshlift.tools.demo sets XLA_FLAGS and JAX_PLATFORMS: undo that afterwards."""
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
         if name in os.environ:
             monkeypatch.setenv(name, os.environ[name])
@@ -285,12 +285,12 @@ def test_unknown_argument_is_a_usage_error(capsys):
 
 
 def test_demo_passes_its_arguments_through(monkeypatch):
-    """``meshlift demo`` hands everything after ``demo`` to ``meshlift.demo.main``."""
+    """``meshlift demo`` hands everything after ``demo`` to ``meshlift.tools.demo.main``."""
     calls = []
-    stand_in = types.ModuleType("meshlift.demo")
+    stand_in = types.ModuleType("meshlift.tools.demo")
     stand_in.main = lambda argv: calls.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "meshlift.demo", stand_in)
-    monkeypatch.setattr(meshlift, "demo", stand_in, raising=False)
+    monkeypatch.setitem(sys.modules, "meshlift.tools.demo", stand_in)
+    monkeypatch.setattr(meshlift.tools, "demo", stand_in, raising=False)
 
     assert main(["demo", "--steps", "3", "-v"]) == 3
     assert main(["demo", "--", "--help"]) == 3
@@ -453,7 +453,7 @@ def test_plan_show_in_a_fresh_process_simulates_the_devices_in_80_columns(plan_m
         [
             sys.executable,
             "-c",
-            "from meshlift.cli import main; raise SystemExit(main())",
+            "from meshlift.tools.cli import main; raise SystemExit(main())",
             "plan",
             "deep_cli:make_deep",
             "--mesh",
@@ -626,7 +626,7 @@ def test_plan_mistake_in_a_subprocess_prints_no_traceback(user_models):
         [
             sys.executable,
             "-c",
-            "from meshlift.cli import main; raise SystemExit(main())",
+            "from meshlift.tools.cli import main; raise SystemExit(main())",
             "plan",
             "user_models_cli:GPT",
             *MESH,
@@ -694,7 +694,7 @@ def test_plan_table_piped_into_80_columns_wraps(plan_models):
         [
             sys.executable,
             "-c",
-            "from meshlift.cli import main; raise SystemExit(main())",
+            "from meshlift.tools.cli import main; raise SystemExit(main())",
             "plan",
             "deep_cli:make_deep",
             *MESH,

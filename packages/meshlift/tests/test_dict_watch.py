@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from meshlift import dict_watch, speedups
+from meshlift import speedups
+from meshlift.graph import dict_watch
 
 
 def test_available_on_cpython_3_12_and_never_before():
@@ -128,7 +129,7 @@ def test_reading_and_calling_do_not_move_the_counter():
 AFTER_EXIT = """
 import atexit
 from flax import nnx
-from meshlift.graph import GraphSplit
+from meshlift.graph.split import GraphSplit
 
 model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
@@ -139,7 +140,7 @@ def late():  # registered before meshlift's exit handler, so it runs after it
     print("detected" if not split.unchanged() else "MISSED")
 
 atexit.register(late)
-from meshlift import dict_watch
+from meshlift.graph import dict_watch
 dict_watch.available()  # registers the watcher and its exit handler
 """
 

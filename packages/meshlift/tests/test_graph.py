@@ -21,9 +21,10 @@ import pytest
 from flax import nnx
 
 import meshlift as ml
-from meshlift import compat, dict_watch, speedups
-from meshlift.graph import GraphSplit, Rebuilt, is_graph_leaf
-from meshlift.structure import fingerprint
+from meshlift import compat, speedups
+from meshlift.graph import dict_watch
+from meshlift.graph.split import GraphSplit, Rebuilt, is_graph_leaf
+from meshlift.graph.structure import fingerprint
 
 
 class MLP(nnx.Module):

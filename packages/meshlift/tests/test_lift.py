@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
 from meshlift import speedups
-from meshlift.lift import Lifted
+from meshlift.call.lift import Lifted
 
 
 class RecordingBackend:
@@ -312,8 +312,8 @@ def test_named_sharding_on_a_mesh_with_other_axes_is_checked_against_its_own_mes
 
 def test_argument_flattening_matches_jax_tree_flatten():
     # the per-call shortcut for top-level modules and arrays must give jax's own answer
-    from meshlift.graph import is_graph_leaf
-    from meshlift.layout import flatten_arguments
+    from meshlift.call.layout import flatten_arguments
+    from meshlift.graph.split import is_graph_leaf
 
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     x = jnp.ones((1, 2))

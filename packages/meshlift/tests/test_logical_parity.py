@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift.logical import get_axis_rules, set_axis_rules
+from meshlift.plans.logical import get_axis_rules, set_axis_rules
 
 U = P.UNCONSTRAINED
 Fallback = flax_spmd.RulesFallback

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift.annotation import annotated_leaves
 from meshlift.paths import key_name
+from meshlift.plans.annotation import annotated_leaves
 
 RULES = (("batch", "data"), ("hidden", "model"))
 

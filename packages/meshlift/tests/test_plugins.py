@@ -482,7 +482,7 @@ def test_error_without_a_message_is_recorded_by_its_type(install):
 
 
 def test_cli_survives_a_plugin_that_exits(install, capsys):
-    from meshlift.cli import main
+    from meshlift.tools.cli import main
 
     install("meshlift-exits", "0.1", {"exits": EXITS_AT_IMPORT})
     install("meshlift-good", "1.0", {"good": GOOD.format(name="good")})

@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 import meshlift as ml
 from meshlift.errors import PlanError
 from meshlift.paths import format_path
-from meshlift.resolve import to_sharding
-from meshlift.sharding import path_endswith
-from meshlift.specs import spec_problems
+from meshlift.plans.resolve import to_sharding
+from meshlift.plans.sharding import path_endswith
+from meshlift.plans.specs import spec_problems
 
 MESH_SHAPE = {"data": 2, "model": 4}
 

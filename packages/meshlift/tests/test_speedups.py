@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from meshlift import _speedups, compat, dict_watch, speedups
+from meshlift import _speedups, compat, speedups
+from meshlift.graph import dict_watch
 
 TWINS = {
     "C": _speedups,

@@ -1,4 +1,4 @@
-"""meshlift.staged_errors on its own: JAX's errors about a staged function, in the caller's
+"""meshlift.call.staged_errors on its own: JAX's errors about a staged function, in the caller's
 names, with a backend defined here (no plugin involved). Each case runs the same code
 under `jax.jit` as its reference: the error is of JAX's type, JAX's message stands where
 the plan is not at fault, and where it is, a `PlanError` names the path, JAX's error its
@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
-from meshlift.staged_errors import axis_types_note, manual_axes_note
+from meshlift.call.staged_errors import axis_types_note, manual_axes_note
 
 MESH = ml.make_mesh({"data": 2, "model": 4})
 REPLICATED = P()

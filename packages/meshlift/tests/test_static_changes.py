@@ -124,7 +124,7 @@ def memo_model():
 
 def test_a_repeated_call_whose_program_traces_again_keeps_the_change(monkeypatch):
     # A call like the last runs on its plan; a new input shape makes JAX trace again there.
-    from meshlift import static_changes
+    from meshlift.call import static_changes
 
     adopted, adopt = [], static_changes.adopt
 

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 import meshlift as ml
-from meshlift.cli import main
-from meshlift.tables import Breakable
+from meshlift.tools.cli import main
+from meshlift.tools.tables import Breakable
 
 MESH = {"data": 2, "model": 4}
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # The public names, each imported from its submodule the first time it is used (PEP 562),
@@ -30,35 +28,35 @@ from typing import TYPE_CHECKING, Any
 # A new public name is one entry here, one import in the TYPE_CHECKING block below and
 # one entry in __all__ (tests/test_cli_imports.py checks that the three agree).
 _LAZY: dict[str, str] = {
-    "eval_shape": "meshlift.abstract",
+    "eval_shape": "meshlift.plans.abstract",
     "Backend": "meshlift.backend",
     "Specs": "meshlift.backend",
     "StageSpec": "meshlift.backend",
-    "Explanation": "meshlift.explain",
-    "explain": "meshlift.explain",
+    "Explanation": "meshlift.tools.explain",
+    "explain": "meshlift.tools.explain",
     "hookimpl": "meshlift.hookspecs",
-    "Lifted": "meshlift.lift",
-    "LiftOptions": "meshlift.options",
-    "takes_lift_options": "meshlift.options",
-    "transform": "meshlift.transform",
+    "Lifted": "meshlift.call.lift",
+    "LiftOptions": "meshlift.call.options",
+    "takes_lift_options": "meshlift.call.options",
+    "transform": "meshlift.call.transform",
     "AxisRuleWarning": "meshlift.errors",
-    "axis_rules": "meshlift.logical",
-    "logical_to_mesh": "meshlift.logical",
-    "logical_to_mesh_axes": "meshlift.logical",
-    "logical_to_mesh_sharding": "meshlift.logical",
-    "with_logical_constraint": "meshlift.logical",
-    "current_mesh": "meshlift.mesh",
-    "make_mesh": "meshlift.mesh",
-    "use_mesh": "meshlift.mesh",
+    "axis_rules": "meshlift.plans.logical",
+    "logical_to_mesh": "meshlift.plans.logical",
+    "logical_to_mesh_axes": "meshlift.plans.logical",
+    "logical_to_mesh_sharding": "meshlift.plans.logical",
+    "with_logical_constraint": "meshlift.plans.logical",
+    "current_mesh": "meshlift.plans.mesh",
+    "make_mesh": "meshlift.plans.mesh",
+    "use_mesh": "meshlift.plans.mesh",
     "scan_layers": "meshlift.layers",
-    "add_axis": "meshlift.metadata",
-    "get_partition_spec": "meshlift.metadata",
-    "get_sharding": "meshlift.metadata",
-    "remove_axis": "meshlift.metadata",
-    "replace_boxed": "meshlift.metadata",
-    "unbox": "meshlift.metadata",
-    "with_logical_partitioning": "meshlift.metadata",
-    "with_partitioning": "meshlift.metadata",
+    "add_axis": "meshlift.plans.metadata",
+    "get_partition_spec": "meshlift.plans.metadata",
+    "get_sharding": "meshlift.plans.metadata",
+    "remove_axis": "meshlift.plans.metadata",
+    "replace_boxed": "meshlift.plans.metadata",
+    "unbox": "meshlift.plans.metadata",
+    "with_logical_partitioning": "meshlift.plans.metadata",
+    "with_partitioning": "meshlift.plans.metadata",
     "PlanError": "meshlift.errors",
     "RetraceWarning": "meshlift.errors",
     "StructureChangedError": "meshlift.errors",
@@ -67,19 +65,22 @@ _LAZY: dict[str, str] = {
     "backends": "meshlift.plugins",
     "get_backend": "meshlift.plugins",
     "get_frontend": "meshlift.plugins",
-    "StateSharding": "meshlift.sharding",
-    "path_endswith": "meshlift.sharding",
-    "Compiled": "meshlift.stages",
-    "Lowered": "meshlift.stages",
-    "Traced": "meshlift.stages",
+    "StateSharding": "meshlift.plans.sharding",
+    "path_endswith": "meshlift.plans.sharding",
+    "Compiled": "meshlift.call.stages",
+    "Lowered": "meshlift.call.stages",
+    "Traced": "meshlift.call.stages",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports these
     __version__: str
 
     from meshlift import plugins
-    from meshlift.abstract import eval_shape
     from meshlift.backend import Backend, Specs, StageSpec
+    from meshlift.call.lift import Lifted
+    from meshlift.call.options import LiftOptions, takes_lift_options
+    from meshlift.call.stages import Compiled, Lowered, Traced
+    from meshlift.call.transform import transform
     from meshlift.errors import (
         AxisRuleWarning,
         BackendNotFoundError,
@@ -88,19 +89,18 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         StructureChangedError,
         TraceLeakError,
     )
-    from meshlift.explain import Explanation, explain
     from meshlift.hookspecs import hookimpl
     from meshlift.layers import scan_layers
-    from meshlift.lift import Lifted
-    from meshlift.logical import (
+    from meshlift.plans.abstract import eval_shape
+    from meshlift.plans.logical import (
         axis_rules,
         logical_to_mesh,
         logical_to_mesh_axes,
         logical_to_mesh_sharding,
         with_logical_constraint,
     )
-    from meshlift.mesh import current_mesh, make_mesh, use_mesh
-    from meshlift.metadata import (
+    from meshlift.plans.mesh import current_mesh, make_mesh, use_mesh
+    from meshlift.plans.metadata import (
         add_axis,
         get_partition_spec,
         get_sharding,
@@ -110,11 +110,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         with_logical_partitioning,
         with_partitioning,
     )
-    from meshlift.options import LiftOptions, takes_lift_options
+    from meshlift.plans.sharding import StateSharding, path_endswith
     from meshlift.plugins import backends, get_backend, get_frontend
-    from meshlift.sharding import StateSharding, path_endswith
-    from meshlift.stages import Compiled, Lowered, Traced
-    from meshlift.transform import transform
+    from meshlift.tools.explain import Explanation, explain
 else:  # hidden from type checkers, so that a misspelt `ml.jti` is still an error there
 
     def __getattr__(name: str) -> Any:
@@ -137,23 +135,6 @@ else:  # hidden from type checkers, so that a misspelt `ml.jti` is still an erro
 
     def __dir__() -> list[str]:
         return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """The `meshlift` module, keeping `ml.explain` and `ml.transform` the functions.
-
-    Importing a submodule sets it as an attribute of its package; `meshlift.explain` is
-    both a submodule and a public function, and the function must win (as it did when
-    this package imported everything eagerly), whoever imports `meshlift.explain` first.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
-            value = getattr(value, name)  # the import system binding meshlift.explain
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def _version() -> str:

@@ -13,7 +13,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from meshlift.lift import Lifted
+from meshlift.call.lift import Lifted
 
 Params = ParamSpec("Params")
 Result = TypeVar("Result")

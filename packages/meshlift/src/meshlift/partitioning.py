@@ -63,7 +63,7 @@ from flax.linen.partitioning import (
     vmap_with_axes,
 )
 
-from meshlift.logical import (
+from meshlift.plans.logical import (
     axis_rules,
     get_axis_rules,
     logical_to_mesh,
@@ -71,7 +71,7 @@ from meshlift.logical import (
     logical_to_mesh_sharding,
     set_axis_rules,
 )
-from meshlift.logical import with_logical_constraint as with_sharding_constraint
+from meshlift.plans.logical import with_logical_constraint as with_sharding_constraint
 
 __all__ = [
     "AxisMetadata",

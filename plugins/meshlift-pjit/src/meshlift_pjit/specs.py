@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from meshlift.sharding import is_spec
+from meshlift.plans.sharding import is_spec
 
 
 class _Unspecified:

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshlift.graph import is_graph_leaf
+from meshlift.graph.split import is_graph_leaf
 from meshlift.testing.oracle.vocabulary import attributes, number
 
 TOLERANCE = 1e-5

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshlift as ml
 from meshlift import compat, modes
-from meshlift.graph import is_graph_leaf
+from meshlift.graph.split import is_graph_leaf
 from meshlift.testing.models import graph_mode_cached_partial
 from meshlift.testing.oracle import vocabulary
 from meshlift.testing.oracle.observe import Identities, differences

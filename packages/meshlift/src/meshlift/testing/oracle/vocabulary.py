@@ -47,7 +47,7 @@ import optax
 from flax import nnx
 
 from meshlift import compat
-from meshlift.graph import is_graph_leaf
+from meshlift.graph.split import is_graph_leaf
 
 __all__ = [
     "STATICS",
