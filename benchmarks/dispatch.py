@@ -452,14 +452,16 @@ def check_fresh_optimizer(name: str, layers: int = 4) -> dict[str, Any]:
         }
 
 
-def compare_to_floor(runs: dict[str, Run]) -> dict[str, str | None]:
+def compare_to_floor(
+    runs: dict[str, Run], baseline: Mapping[str, str] = BASELINE
+) -> dict[str, str | None]:
     """Each variant's first losses, and its parameters after them, must match
     its floor's (same init, same data): this catches a step that does not
     write its updates back, or trains the wrong arrays. The floor is the one
-    its time is divided by (``BASELINE``), the ``jax.jit floor`` unless named."""
+    its time is divided by (``baseline``), the ``jax.jit floor`` unless named."""
     problems: dict[str, str | None] = {}
     for name, run in runs.items():
-        floor = runs.get(BASELINE.get(name, FLOOR))
+        floor = runs.get(baseline.get(name, FLOOR))
         if name == FLOOR or not run.ok or floor is None or not floor.ok:
             continue
         if not np.allclose(run.losses, floor.losses, rtol=1e-5, atol=1e-7):
@@ -495,7 +497,11 @@ def compare_to_floor(runs: dict[str, Run]) -> dict[str, str | None]:
 # --------------------------------------------------------------------------
 
 
-def summarize(all_runs: dict[int, dict[str, Run]]) -> dict[str, Any]:
+def summarize(
+    all_runs: dict[int, dict[str, Run]], baseline: Mapping[str, str] = BASELINE
+) -> dict[str, Any]:
+    """Per variant and depth: the median, and its ratio to the floor ``baseline`` names (the
+    ``jax.jit floor`` unless named)."""
     results: dict[str, dict[str, Any]] = {}
     for layers, runs in all_runs.items():
         medians = {
@@ -503,11 +509,11 @@ def summarize(all_runs: dict[int, dict[str, Run]]) -> dict[str, Any]:
             for name, run in runs.items()
         }
         for name, run in runs.items():
-            median, floor_us = medians[name], medians.get(BASELINE.get(name, FLOOR))
-            floor_run = runs.get(BASELINE.get(name, FLOOR))
+            floor = baseline.get(name, FLOOR)
+            median, floor_us, floor_run = medians[name], medians.get(floor), runs.get(floor)
             results.setdefault(name, {})[str(layers)] = {
                 "median_us": median,
-                "floor": BASELINE.get(name, FLOOR),
+                "floor": floor,
                 "ratio_to_floor": (median / floor_us if median is not None and floor_us else None),
                 "paired_ratio_to_floor": paired_ratio(run, floor_run),
                 "min_us": min(run.samples_us) if run.samples_us else None,
