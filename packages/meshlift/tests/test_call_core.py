@@ -121,3 +121,45 @@ def test_the_backend_is_named_when_its_staged_function_fails():
         ml.transform(broken, lambda m: m.kernel[...])(model)
     assert "broken" in "".join(getattr(error.value, "__notes__", [])) + str(error.value)
     assert model.kernel[...] is kernel  # nothing written back
+
+
+def per_device_stage(fn, spec):
+    """A backend that stages as pmap does: `jax.shard_map` over one axis whose body takes
+    each input's block of one entry along dimension 0 away (its own slice, as pmap's
+    `in_axes=0` gives it) and puts it back on the outputs."""
+    in_specs = ml.backend.shard_map_specs(spec.in_specs)
+    out_specs = ml.backend.shard_map_specs(spec.out_specs)
+
+    def body(*args):
+        return jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda x: x[0], args)))
+
+    mapped = jax.shard_map(body, mesh=spec.mesh, in_specs=in_specs, out_specs=out_specs)
+    return jax.jit(mapped, in_shardings=spec.in_specs, out_shardings=spec.out_specs)
+
+
+PER_DEVICE = ml.Backend(name="local-per-device", stage=per_device_stage)
+
+
+def test_a_backend_that_hands_each_device_its_slice_without_the_mapped_axis():
+    """The check that a trace holds what its layout was made for compares per-shard values
+    with the blocks of the whole arrays; a block of one entry may come without its axis
+    (pmap's `in_axes=0`). Another shape still gets a new layout, and the right numbers."""
+    mesh = ml.make_mesh({"d": 8})
+
+    class Stacked(nnx.Module):
+        def __init__(self, width):
+            self.w = nnx.Param(jnp.arange(8.0 * width).reshape(8, width))
+
+    def step(m, x):
+        m.w[...] += x  # each device: its own row of w, of shape (width,)
+        return m.w[...] * 2
+
+    lifted = ml.transform(PER_DEVICE, step, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"))
+    model = Stacked(3)
+    for width in (3, 3, 5, 5):  # a first call, a repeated one; then another shape, twice
+        if model.w[...].shape[1] != width:
+            model.w.set_value(jnp.arange(8.0 * width).reshape(8, width))  # its layout is stale
+        expected = (model.w[...] + 1) * 2
+        out = lifted(model, jnp.ones((8, 1)))
+        np.testing.assert_array_equal(out, expected)
+        np.testing.assert_array_equal(model.w[...], expected / 2)

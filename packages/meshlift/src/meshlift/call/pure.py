@@ -102,11 +102,10 @@ class StaleLayout(BaseException):
     own error handling) lets it through unchanged."""
 
 
-def held_types(values: Sequence[Any], scales: Sequence[Any] | None = None) -> tuple[Any, ...]:
+def held_types(values: Sequence[Any]) -> tuple[Any, ...]:
     """For each Variable's value (or array stored on a module), the pytree structure it
     holds and each array's shape and dtype, as JAX traces them: what a layout's
-    shardings and input names were made for. `scales`, if given, multiply each value's
-    dimensions (a per-shard block's back to the whole array's).
+    shardings and input names were made for.
 
     Example:
 
@@ -119,23 +118,42 @@ def held_types(values: Sequence[Any], scales: Sequence[Any] | None = None) -> tu
     assert held_types([jnp.ones((2, 3))]) != held_types([jnp.ones((4, 3))])
     ```
     """
-    scales = scales or [()] * len(values)
-    return tuple(map(_held_type, values, scales))
+    return tuple(map(_held_type, values))
 
 
-def _held_type(value: Any, scale: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
+def _held_type(value: Any) -> tuple[Any, tuple[Any, ...]]:
     leaves, treedef = jax.tree.flatten(value)
-    return treedef, tuple(_shape_dtype(leaf, scale) for leaf in leaves)
+    return treedef, tuple(map(_shape_dtype, leaves))
 
 
-def _shape_dtype(x: Any, scale: tuple[int, ...]) -> Any:
+def _shape_dtype(x: Any) -> Any:
     if not isinstance(x, jax.Array):  # else an array, or a tracer of one: dtype canonical
         try:
             x = jax.typeof(x)  # a NumPy array, a number, a reference: as JAX traces it
         except TypeError:  # no JAX type: JAX refuses it as an input, naming it
             return type(x)
-    shape = tuple(d * s for d, s in zip(x.shape, scale, strict=False)) + x.shape[len(scale) :]
-    return shape, x.dtype
+    return x.shape, x.dtype
+
+
+def _holds_block(traced: Any, whole: Any, scale: tuple[int, ...]) -> bool:
+    """Whether the held type `traced` is a block of the held type `whole`, cut `scale[i]`
+    times along dimension `i`; a dimension cut into blocks of 1 may be absent."""
+    (treedef, leaves), (whole_treedef, whole_leaves) = traced, whole
+    return treedef == whole_treedef and all(
+        _is_block(leaf, each, scale) for leaf, each in zip(leaves, whole_leaves, strict=True)
+    )
+
+
+def _is_block(leaf: Any, whole: Any, scale: tuple[int, ...]) -> bool:
+    if type(leaf) is not tuple or type(whole) is not tuple or leaf[1] != whole[1]:
+        return leaf == whole  # a type JAX has no array for; else another dtype
+    (shape, _), (whole_shape, _) = leaf, whole
+    cuts = (*scale, *(1,) * len(whole_shape))[: len(whole_shape)]
+    if any(d % n for d, n in zip(whole_shape, cuts, strict=True)):
+        return False
+    block = tuple(d // n for d, n in zip(whole_shape, cuts, strict=True))
+    kept = tuple(b for b, n in zip(block, cuts, strict=True) if not (b == 1 and n > 1))
+    return shape in (block, kept)
 
 
 def _manual_axes() -> frozenset[str]:
@@ -245,7 +263,7 @@ class PureFunction:
             values[i] = value
         dyn = (*kept_dyn, *donated_dyn)
         checked = [*values, *map(dyn.__getitem__, self.checked_dyn)]
-        if self._held(checked) != self.held:  # JAX traces again for another kind of value
+        if not self._held_as_laid_out(checked):  # JAX traces again for another kind of value
             raise StaleLayout(
                 f"{self.__name__} is traced for other values than its layout's (a Variable's "
                 f"structure, shape or dtype changed): meshlift makes a new layout"
@@ -323,11 +341,16 @@ class PureFunction:
         _LAST_TRACE.state = RETURNED
         return var_out, tuple(extra), user_out, Aux(info)
 
-    def _held(self, values: Sequence[Any]) -> tuple[Any, ...]:
-        """`held_types` of the traced values, per-shard blocks (a backend that stages
-        per shard) counted as the whole arrays they are blocks of."""
+    def _held_as_laid_out(self, values: Sequence[Any]) -> bool:
+        """Whether the traced `values` hold what the layout was made for (`held_types`).
+        Per-shard blocks (a backend that stages per shard) are compared with the blocks of
+        the whole arrays; a dimension split into blocks of 1 may be absent, as pmap's
+        `in_axes` hands each device its slice."""
         manual = _manual_axes() - self.manual
-        return held_types(values, _shard_scales(self.held_specs, manual) if manual else None)
+        if not manual:
+            return held_types(values) == self.held
+        scales = _shard_scales(self.held_specs, manual)
+        return all(map(_holds_block, held_types(values), self.held, scales))
 
     def _caller_path(self, path: Path) -> str:
         """A path below the graph nodes (node position first) in the caller's names."""
