@@ -33,6 +33,7 @@ Run::
     python benchmarks/transformer.py --depths 2 8 32      # train at L=32 too: ~7 min
     python benchmarks/transformer.py --depths 2 --repeats 0.2   # quick smoke run
     python benchmarks/transformer.py --parts memory       # one part
+    python benchmarks/transformer.py --parts dispatch --variants meshlift.jit   # and its floor
     python benchmarks/transformer.py --json               # numbers only, on stdout
 
 See ``benchmarks/README.md`` for how to read the tables.
@@ -539,6 +540,14 @@ def measure_memory(log: Console) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
+def chosen(step: str, names: list[str] | None) -> list[str]:
+    """The variants of `step` to time: `names` and the floors they are divided by, or all."""
+    if names is None:
+        return list(VARIANTS[step])
+    wanted = {*names, *(BASELINE.get(name, FLOOR) for name in names)}
+    return [name for name in VARIANTS[step] if name in wanted]
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
@@ -588,15 +597,16 @@ def print_dispatch(console: Console, meta, results, checks) -> None:
             *(x for d in depths for x in (f"[dim]{counts[str(d)][step]:,}[/]", "")),
             end_section=True,
         )
-        for name in VARIANTS[step]:
+        for name in results[step]:
             row = [name]
             for depth in depths:
                 cell = results[step][name][str(depth)]
                 if cell["median_us"] is None:
                     row += ["[red]failed[/]", ""]
                     continue
+                ratio = cell["ratio_to_floor"]  # None: its floor was not timed (--variants)
                 row.append(f"{cell['median_us']:,.0f}")
-                row.append(f"{cell['ratio_to_floor']:.2f}×")
+                row.append("" if ratio is None else f"{ratio:.2f}×")
             table.add_row(*row)
         console.print(table)
     console.print(
@@ -694,6 +704,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS["train"]),
+        help="time only these (and the floors they are divided by); default: all. "
+        "--variants meshlift.jit times it against the flat floor alone, in paired rounds",
+    )
+    parser.add_argument(
         "--parts",
         nargs="+",
         choices=("dispatch", "compile", "memory"),
@@ -732,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             for depth in depths[step]:
                 log.print(f"  {step} step, {rounds} rounds:")
                 runs = dispatch.measure_depth(
-                    list(VARIANTS[step]),
+                    chosen(step, args.variants),
                     depth,
                     rounds,
                     target_s,
